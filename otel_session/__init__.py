@@ -1,0 +1,29 @@
+"""otel-session: one Dynamo session per RL trajectory attempt, delivered to Dynamo and nowhere else.
+
+    import otel_session
+    otel_session.configure(dynamo_hosts=["dynamo-frontend:8000"])
+    with otel_session.trajectory() as traj:
+        ...  # every httpx / openai / aiohttp request to Dynamo carries X-Dynamo-Session-ID
+"""
+
+from otel_session._carry import bind, resume, session_carrier
+from otel_session._config import configure, unconfigure
+from otel_session._context import current_session_id
+from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
+from otel_session._propagator import SessionPropagator
+from otel_session._settings import Settings
+from otel_session._trajectory import trajectory
+
+__all__ = [
+    "PARENT_SESSION_HEADER",
+    "SESSION_HEADER",
+    "SessionPropagator",
+    "Settings",
+    "bind",
+    "configure",
+    "current_session_id",
+    "resume",
+    "session_carrier",
+    "trajectory",
+    "unconfigure",
+]

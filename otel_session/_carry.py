@@ -1,0 +1,75 @@
+"""Carrying a trajectory where ``contextvars`` do not follow: thread pools, threads, other processes.
+
+``ThreadPoolExecutor.submit`` and ``threading.Thread`` start from an empty context, and a Ray task runs
+in another process; without help their requests would carry no session. ``bind`` copies the context
+afresh for every call (one copy entered twice at once is an error), and a carrier is a plain dict of
+strings that pickles anywhere.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, ParamSpec, TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from otel_session._context import PARENT_KEY, SESSION_KEY, session_ids, with_session
+from otel_session._ids import is_valid_session_id
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_tracecontext = TraceContextTextMapPropagator()
+
+
+def bind(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Make ``func`` run in the caller's current context, wherever it is later called.
+
+    ``pool.submit(otel_session.bind(work), x)`` keeps the trajectory's session in the pool thread.
+    """
+    captured = contextvars.copy_context()
+
+    @functools.wraps(func)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return captured.copy().run(func, *args, **kwargs)
+
+    return run
+
+
+def session_carrier() -> dict[str, str]:
+    """The current session (and trace parent, when tracing) as a picklable dict of strings.
+
+    Pass it to a Ray task or actor method and open ``otel_session.resume(carrier)`` there.
+    """
+    carrier: dict[str, str] = {}
+    session, parent = session_ids()
+    if session is not None:
+        carrier[SESSION_KEY] = session
+        if parent is not None:
+            carrier[PARENT_KEY] = parent
+    _tracecontext.inject(carrier)
+    return carrier
+
+
+@contextmanager
+def resume(carrier: Mapping[str, Any] | None) -> Iterator[str | None]:
+    """Continue, in this thread or process, the trajectory that ``session_carrier()`` described.
+
+    It is the same attempt, so the same session ID, not a new or nested one. A missing or invalid
+    carrier leaves the context as it is (and yields ``None``) rather than failing the work.
+    """
+    session = carrier.get(SESSION_KEY) if isinstance(carrier, Mapping) else None
+    if not is_valid_session_id(session):
+        yield None
+        return
+    parent = carrier.get(PARENT_KEY) if carrier is not None else None
+    ctx = _tracecontext.extract(dict(carrier)) if carrier is not None else None
+    ctx = with_session(session, parent if is_valid_session_id(parent) else None, ctx)  # type: ignore[arg-type]
+    token = otel_context.attach(ctx)
+    try:
+        yield session  # type: ignore[misc]
+    finally:
+        otel_context.detach(token)

@@ -1,0 +1,180 @@
+"""Lean client hooks: put the session on requests from httpx, httpx2 (openai) and aiohttp.
+
+They patch the one method each client calls once per HTTP hop (httpx's ``_send_single_request``,
+aiohttp's ``ClientRequest.send``), so every transport, every redirect hop and every retry passes
+through them, for clients created before or after ``configure()``. They start no span: with tracing
+off that is the whole cost of otel-session, a dictionary lookup for most requests. Headers are added
+to the request for the hop only and taken away afterwards, so the caller's ``Request`` is left as it
+was and a redirect built from it carries nothing of ours.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry.context import get_current
+
+from otel_session import _faults, _settings
+from otel_session._context import DESTINATION_KEY, session_ids
+from otel_session._hosts import NOTHING
+from otel_session._propagator import inject_for
+
+_ORIGINAL = "__otel_session_original__"
+
+
+class _Undo:
+    """Records each header we set with the value it replaced, to put things back after the hop."""
+
+    __slots__ = ("changes",)
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, Any]] = []
+
+    def set(self, carrier: Any, key: str, value: str) -> None:
+        self.changes.append((key, carrier.get(key)))
+        carrier[key] = value
+
+    def restore(self, headers: Any) -> None:
+        for key, previous in reversed(self.changes):
+            if previous is None:
+                headers.pop(key, None)
+            else:
+                headers[key] = previous
+
+
+def _begin(headers: Any, scheme: str, host: str | None, port: int | None) -> tuple[_Undo, object] | None:
+    """Add what this destination may receive; ``None`` when there is nothing to do or undo."""
+    settings = _settings.active()
+    if settings is None:
+        return None
+    ctx = get_current()
+    kind = settings.rules.classify_url(scheme, host, port)
+    if kind == NOTHING and not settings.tracing and session_ids(ctx)[0] is None:
+        return None
+    undo = _Undo()
+    inject_for(kind, headers, ctx, undo)
+    token = None
+    if settings.tracing:
+        # The upstream instrumentation injects later through the global propagator: tell it where.
+        token = otel_context.attach(otel_context.set_value(DESTINATION_KEY, (scheme, host, port), ctx))
+    return undo, token
+
+
+def _end(headers: Any, plan: tuple[_Undo, object]) -> None:
+    undo, token = plan
+    if token is not None:
+        otel_context.detach(token)  # type: ignore[arg-type]
+    undo.restore(headers)
+
+
+def _safe_begin(headers: Any, scheme: str, host: str | None, port: int | None) -> tuple[_Undo, object] | None:
+    try:
+        return _begin(headers, scheme, host, port)
+    except Exception as exc:  # a bug of ours must not fail the request
+        _faults.report("adding session headers to a request", exc)
+        return None
+
+
+def _safe_end(headers: Any, plan: tuple[_Undo, object]) -> None:
+    try:
+        _end(headers, plan)
+    except Exception as exc:
+        _faults.report("restoring request headers", exc)
+
+
+def _httpx_sync(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _send_single_request(self: Any, request: Any) -> Any:
+        url = request.url
+        headers = request.headers
+        plan = _safe_begin(headers, url.scheme, url.host, url.port)
+        if plan is None:
+            return original(self, request)
+        try:
+            return original(self, request)
+        finally:
+            request.headers = headers  # an upstream instrumentation may have swapped in a copy
+            _safe_end(headers, plan)
+
+    return _send_single_request
+
+
+def _httpx_async(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def _send_single_request(self: Any, request: Any) -> Any:
+        url = request.url
+        headers = request.headers
+        plan = _safe_begin(headers, url.scheme, url.host, url.port)
+        if plan is None:
+            return await original(self, request)
+        try:
+            return await original(self, request)
+        finally:
+            request.headers = headers
+            _safe_end(headers, plan)
+
+    return _send_single_request
+
+
+def _aiohttp_send(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    async def send(self: Any, conn: Any) -> Any:
+        # One ClientRequest per hop, built from the session's own headers: ours never reach the next.
+        url = self.url
+        plan = _safe_begin(self.headers, url.scheme, url.raw_host, url.port)
+        if plan is None or plan[1] is None:
+            return await original(self, conn)
+        try:
+            return await original(self, conn)
+        finally:
+            otel_context.detach(plan[1])  # type: ignore[arg-type]
+
+    return send
+
+
+# (module, class, method, wrapper factory)
+_TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
+    ("httpx", "Client", "_send_single_request", _httpx_sync),
+    ("httpx", "AsyncClient", "_send_single_request", _httpx_async),
+    ("httpx2", "Client", "_send_single_request", _httpx_sync),
+    ("httpx2", "AsyncClient", "_send_single_request", _httpx_async),
+    ("aiohttp", "ClientRequest", "send", _aiohttp_send),
+)
+
+
+def install() -> list[str]:
+    """Patch every installed client (idempotent); returns what was patched, e.g. ``httpx.Client``."""
+    patched = []
+    for module_name, class_name, method, factory in _TARGETS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        current = cls.__dict__.get(method)
+        if current is None:
+            continue
+        if not hasattr(current, _ORIGINAL):
+            wrapper = factory(current)
+            setattr(wrapper, _ORIGINAL, current)
+            setattr(cls, method, wrapper)
+        patched.append(f"{module_name}.{class_name}")
+    return patched
+
+
+def uninstall() -> None:
+    """Put every patched method back."""
+    for module_name, class_name, method, _ in _TARGETS:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        current = cls.__dict__.get(method)
+        original = getattr(current, _ORIGINAL, None)
+        if original is not None:
+            setattr(cls, method, original)
+
+

@@ -1,0 +1,44 @@
+"""Where the session lives: OpenTelemetry baggage of the current context.
+
+Baggage rides on ``contextvars``, so it follows ``await`` and ``asyncio.create_task`` for free and is
+separate for every concurrent trajectory, which is exactly the isolation the session needs.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import baggage
+from opentelemetry.context import Context, create_key
+
+from otel_session._ids import is_valid_session_id
+
+SESSION_KEY = "session.id"
+PARENT_KEY = "session.parent_id"
+
+# Set by the client hooks around a request so the propagator knows the exact destination even when
+# its carrier (a header copy without a port, or a plain dict) cannot tell.
+DESTINATION_KEY = create_key("otel_session.destination")
+
+
+def session_ids(context: Context | None = None) -> tuple[str | None, str | None]:
+    """The (session, parent session) IDs in ``context``; anything not a valid ID reads as absent."""
+    values = baggage.get_all(context)
+    if not values:
+        return None, None
+    session = values.get(SESSION_KEY)
+    parent = values.get(PARENT_KEY)
+    if not is_valid_session_id(session):
+        return None, None
+    return session, parent if is_valid_session_id(parent) else None  # type: ignore[return-value]
+
+
+def current_session_id() -> str | None:
+    """The session ID of the trajectory running here, or ``None`` outside any trajectory."""
+    return session_ids()[0]
+
+
+def with_session(session_id: str, parent_id: str | None, context: Context | None = None) -> Context:
+    """A context whose baggage names ``session_id`` (and its parent, or no parent at all)."""
+    context = baggage.set_baggage(SESSION_KEY, session_id, context)
+    if parent_id is None:
+        return baggage.remove_baggage(PARENT_KEY, context)
+    return baggage.set_baggage(PARENT_KEY, parent_id, context)

@@ -1,0 +1,30 @@
+"""Containment for our own bugs: a failure here must never fail or slow a user's request.
+
+Each place that can fail reports at most once per process, so a broken hook on a hot path costs one
+warning with a traceback instead of a log line per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("otel_session")
+
+_reported: set[str] = set()
+_lock = threading.Lock()
+
+
+def report(where: str, exc: BaseException) -> None:
+    """Log ``exc`` from ``where`` the first time only; the caller then carries on without us."""
+    with _lock:
+        if where in _reported:
+            return
+        _reported.add(where)
+    logger.warning(
+        "otel-session: %s failed (%s); the request goes on without session headers. "
+        "Further failures here are not logged.",
+        where,
+        type(exc).__name__,
+        exc_info=exc,
+    )

@@ -1,0 +1,41 @@
+"""Session identifiers: minting fresh ones and vetting adopted ones.
+
+Dynamo 1.6.1 treats a session value that is empty or holds anything but visible ASCII as absent, and
+fails the request outright when the value is longer than 256 bytes while affinity is on. Checking the
+same rule here means a bad ID is refused where it enters (an error at ``trajectory()``, or ignored at a
+server), never emitted where it would break someone's request.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+SESSION_HEADER = "X-Dynamo-Session-ID"
+PARENT_SESSION_HEADER = "X-Dynamo-Parent-Session-ID"
+MAX_SESSION_ID_BYTES = 256
+
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+def new_session_id() -> str:
+    """A fresh canonical UUID4: unguessable and unique per trajectory attempt."""
+    return str(uuid.uuid4())
+
+
+def is_valid_session_id(value: object) -> bool:
+    """True for 1..256 characters of visible ASCII (0x21-0x7E), the values Dynamo accepts as is."""
+    return isinstance(value, str) and _VISIBLE_ASCII.fullmatch(value) is not None
+
+
+def check_session_id(value: object) -> str:
+    """Return ``value`` if it is a usable session ID, else raise a ``ValueError`` that says why."""
+    if not isinstance(value, str):
+        raise TypeError(f"session_id must be a str, not {type(value).__name__}")
+    if not is_valid_session_id(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise ValueError(
+            f"session_id {shown!r} is not usable: it must be 1 to {MAX_SESSION_ID_BYTES} characters of "
+            "visible ASCII (no spaces, control characters or non-ASCII), as Dynamo requires"
+        )
+    return value

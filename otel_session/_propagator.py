@@ -1,0 +1,187 @@
+"""The destination-aware propagator: what a request may carry depends on where it goes.
+
+OpenTelemetry's stock propagators send ``traceparent`` and ``baggage`` to every host. This one sends
+the session header only to Dynamo hosts, baggage only to trusted hosts, ``traceparent`` only to
+either, and nothing to anyone else; it also takes back its own values when a redirect copied them
+onto a request bound elsewhere. It is a ``TextMapPropagator`` so the upstream instrumentations, the
+``OTEL_PROPAGATORS`` machinery and servers' ``extract`` all use it unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any
+
+from opentelemetry import baggage, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.context import Context, get_current
+from opentelemetry.propagators.textmap import (
+    CarrierT,
+    Getter,
+    Setter,
+    TextMapPropagator,
+    default_getter,
+    default_setter,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from otel_session import _faults, _settings
+from otel_session._context import DESTINATION_KEY, PARENT_KEY, SESSION_KEY, session_ids, with_session
+from otel_session._hosts import DYNAMO, NOTHING, TRUSTED, HostRules
+from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER, is_valid_session_id
+
+_SESSION = SESSION_HEADER.lower()
+_PARENT = PARENT_SESSION_HEADER.lower()
+_MAX_BAGGAGE_HEADER = 8192
+
+_tracecontext = TraceContextTextMapPropagator()
+_baggage = W3CBaggagePropagator()
+_EMPTY_RULES = HostRules()
+
+
+_CANONICAL = {_SESSION: SESSION_HEADER, _PARENT: PARENT_SESSION_HEADER}
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """Spellings to try in a plain dict carrier; header mappings are case-insensitive anyway."""
+    return (name, name.title(), _CANONICAL.get(name, name))
+
+
+def _carrier_get(carrier: Any, name: str) -> Any:
+    """Read a header from a header mapping (httpx, multidict) or a plain dict, ignoring case."""
+    get = getattr(carrier, "get", None)
+    if not callable(get):
+        return None
+    for key in _spellings(name):
+        value = get(key)
+        if value is not None:
+            return value
+    return None
+
+
+def _carrier_pop_if(carrier: Any, name: str, values: set[str]) -> None:
+    """Remove header ``name`` only where its value is one of ``values``: one that we put there."""
+    if not isinstance(carrier, MutableMapping):
+        return
+    for key in _spellings(name):
+        if carrier.get(key) in values:
+            del carrier[key]
+
+
+class SessionPropagator(TextMapPropagator):
+    """``X-Dynamo-Session-ID`` for Dynamo hosts, W3C baggage for trusted hosts, nothing elsewhere.
+
+    The destination comes from the context (set by otel-session's client hooks, exact) or else from
+    the carrier's ``host`` entry (what httpx puts in its header copy). Without either it is unknown,
+    and an unknown destination receives nothing. Constructed without arguments (as the
+    ``dynamo_session`` entry point is) it follows whatever ``configure()`` installed, else the
+    ``OTEL_SESSION_*`` environment, and never raises.
+    """
+
+    def __init__(self, rules: HostRules | None = None) -> None:
+        self._fixed = rules
+        self._env_rules: HostRules | None = None
+
+    def _rules(self) -> HostRules:
+        if self._fixed is not None:
+            return self._fixed
+        settings = _settings.active()
+        if settings is not None:
+            return settings.rules
+        if self._env_rules is None:
+            try:
+                self._env_rules = _settings.build_settings(tracing=False).rules
+            except ValueError as exc:
+                _faults.report("reading OTEL_SESSION_* host patterns", exc)
+                self._env_rules = _EMPTY_RULES
+        return self._env_rules
+
+    def destination_kind(self, carrier: Any, context: Context) -> int:
+        """``DYNAMO`` / ``TRUSTED`` flags for where ``carrier`` is headed, ``NOTHING`` if unknown."""
+        rules = self._rules()
+        destination = context.get(DESTINATION_KEY)
+        if destination is not None:
+            scheme, host, port = destination
+            return rules.classify_url(scheme, host, port)
+        authority = _carrier_get(carrier, "host")
+        return rules.classify_authority(authority) if isinstance(authority, str) else NOTHING
+
+    def inject(self, carrier: CarrierT, context: Context | None = None, setter: Setter[CarrierT] = default_setter) -> None:
+        try:
+            ctx = context if context is not None else get_current()
+            inject_for(self.destination_kind(carrier, ctx), carrier, ctx, setter)
+        except Exception as exc:  # never let a propagation bug break the request
+            _faults.report("injecting session headers", exc)
+
+    def extract(
+        self, carrier: CarrierT, context: Context | None = None, getter: Getter[CarrierT] = default_getter
+    ) -> Context:
+        try:
+            return extract_session(carrier, context, getter)
+        except Exception as exc:
+            _faults.report("extracting an incoming session", exc)
+            return context if context is not None else get_current()
+
+    @property
+    def fields(self) -> set[str]:
+        return {_SESSION, _PARENT, "baggage", *_tracecontext.fields}
+
+
+def inject_for(kind: int, carrier: Any, context: Context, setter: Setter[Any] = default_setter) -> None:
+    """Write into ``carrier`` what a destination of ``kind`` may receive; take back ours elsewhere."""
+    session, parent = session_ids(context)
+    if kind & DYNAMO:
+        if session is not None and _carrier_get(carrier, _SESSION) is None:
+            setter.set(carrier, SESSION_HEADER, session)
+            if parent is not None and _carrier_get(carrier, _PARENT) is None:
+                setter.set(carrier, PARENT_SESSION_HEADER, parent)
+    elif session is not None:
+        _carrier_pop_if(carrier, _SESSION, {session})
+        if parent is not None:
+            _carrier_pop_if(carrier, _PARENT, {parent})
+    span_context = trace.get_current_span(context).get_span_context()
+    if kind:
+        if span_context.is_valid:
+            _tracecontext.inject(carrier, context, setter)
+    elif span_context.is_valid:
+        traceparent = _carrier_get(carrier, "traceparent")
+        if isinstance(traceparent, str) and format(span_context.trace_id, "032x") in traceparent:
+            _carrier_pop_if(carrier, "traceparent", {traceparent})
+    if kind & TRUSTED:
+        _baggage.inject(carrier, context, setter)
+    elif session is not None:
+        header = _carrier_get(carrier, "baggage")
+        if isinstance(header, str) and f"{SESSION_KEY}={session}" in header:
+            _carrier_pop_if(carrier, "baggage", {header})
+
+
+def _first_valid(getter: Getter[Any], carrier: Any, name: str) -> str | None:
+    for key in (name, name.title()):
+        values = getter.get(carrier, key)
+        if values:
+            value = values[0].strip() if isinstance(values[0], str) else None
+            return value if is_valid_session_id(value) else None
+    return None
+
+
+def extract_session(carrier: Any, context: Context | None, getter: Getter[Any] = default_getter) -> Context:
+    """Read ``traceparent``, baggage and the Dynamo session headers into a context.
+
+    An explicit ``X-Dynamo-Session-ID`` wins over baggage (it is what Dynamo itself would use). Invalid
+    values are dropped, never raised: an inbound header is untrusted input.
+    """
+    ctx = _tracecontext.extract(carrier, context, getter)
+    raw = getter.get(carrier, "baggage")
+    if raw and sum(len(value) for value in raw) <= _MAX_BAGGAGE_HEADER:
+        ctx = _baggage.extract(carrier, ctx, getter)
+    session = _first_valid(getter, carrier, _SESSION)
+    if session is not None:
+        return with_session(session, _first_valid(getter, carrier, _PARENT), ctx)
+    in_baggage = baggage.get_all(ctx)
+    if SESSION_KEY in in_baggage or PARENT_KEY in in_baggage:
+        valid, parent = session_ids(ctx)
+        if valid is None:
+            ctx = baggage.remove_baggage(PARENT_KEY, baggage.remove_baggage(SESSION_KEY, ctx))
+        else:
+            ctx = with_session(valid, parent, ctx)
+    return ctx

@@ -1,0 +1,131 @@
+"""``trajectory()``: one attempt, one session, as a context manager or a decorator.
+
+Entering attaches a context whose baggage carries the session and whose current span is the
+trajectory span; leaving detaches that exact token, so the caller's context comes back unchanged
+even after an exception or a cancellation.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from otel_session._context import session_ids, with_session
+from otel_session._ids import check_session_id, new_session_id
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_tracer = trace.get_tracer("otel_session")
+
+
+class trajectory:  # noqa: N801 - used like a function: `with otel_session.trajectory():`
+    """Run one trajectory attempt under its own Dynamo session.
+
+    Each entry is a new attempt with a fresh UUID4, unless ``session_id`` adopts an existing stable
+    ID (NeMo-Gym's per-episode UUID, say). Opened inside another trajectory it gets a new ID of its
+    own, and its requests to Dynamo name the outer one as parent. As a decorator every call of the
+    function is a new attempt.
+    """
+
+    def __init__(
+        self,
+        session_id: str | None = None,
+        *,
+        name: str = "trajectory",
+        prompt_index: int | None = None,
+        sibling_index: int | None = None,
+        attempt: int | None = None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> None:
+        self._adopted = None if session_id is None else check_session_id(session_id)
+        self._name = name
+        self._attributes: dict[str, AttributeValue] = dict(attributes or {})
+        for key, value in (("prompt_index", prompt_index), ("sibling_index", sibling_index), ("attempt", attempt)):
+            if value is not None:
+                self._attributes[f"otel_session.{key}"] = value
+        self._token: object | None = None
+        self._span: Span | None = None
+        self.session_id: str | None = None
+        self.parent_session_id: str | None = None
+
+    @property
+    def span(self) -> Span:
+        """The trajectory span (non-recording while tracing is off)."""
+        return self._span if self._span is not None else trace.INVALID_SPAN
+
+    def _fresh(self) -> trajectory:
+        """An unentered copy, so one decorator serves many concurrent calls."""
+        clone = trajectory.__new__(trajectory)
+        clone.__dict__.update(self.__dict__)
+        clone._attributes = dict(self._attributes)
+        return clone
+
+    def __enter__(self) -> trajectory:
+        if self._token is not None:
+            raise RuntimeError("this trajectory is already running; open a new otel_session.trajectory()")
+        parent, _ = session_ids()
+        session = self._adopted if self._adopted is not None else new_session_id()
+        if session == parent:
+            parent = None  # adopting the enclosing session is re-entering it, not nesting
+        ctx = with_session(session, parent)
+        attributes = {"session.id": session, "gen_ai.conversation.id": session, **self._attributes}
+        if parent is not None:
+            attributes["otel_session.parent_session_id"] = parent
+        span = _tracer.start_span(self._name, context=ctx, attributes=attributes)
+        self._span = span
+        self.session_id, self.parent_session_id = session, parent
+        self._token = otel_context.attach(trace.set_span_in_context(span, ctx))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        token, span = self._token, self._span
+        self._token = None
+        try:
+            if span is not None and exc is not None and span.is_recording():
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        finally:
+            if token is not None:
+                otel_context.detach(token)  # type: ignore[arg-type]
+            if span is not None:
+                span.end()
+
+    async def __aenter__(self) -> trajectory:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __call__(self, func: _F) -> _F:
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                with self._fresh():
+                    return await func(*args, **kwargs)
+
+            return cast(_F, run_async)
+
+        @functools.wraps(func)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self._fresh():
+                return func(*args, **kwargs)
+
+        return cast(_F, run)
