@@ -1,0 +1,137 @@
+"""Real loopback HTTP servers that record every request's headers, for tests and benchmarks.
+
+A ``Recorder`` is a Starlette app served by uvicorn on 127.0.0.1 in a background thread. It answers
+OpenAI-style chat completions (so the real openai SDK can talk to it), can be told to fail the next
+requests with a status (to drive client retries) and, for paths under ``/r/``, to redirect to
+``redirect_to`` (to check what a redirect carries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+
+@dataclass
+class Seen:
+    """One request as it arrived: raw header pairs in order, as bytes were decoded by the server."""
+
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+
+    def get(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key.lower() == name.lower():
+                return value
+        return None
+
+    def names(self) -> set[str]:
+        return {key.lower() for key, _ in self.headers}
+
+
+@dataclass
+class Recorder:
+    """A recording server; ``url`` is its base URL, ``requests`` what it saw."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    requests: list[Seen] = field(default_factory=list)
+    fail_next: deque[int] = field(default_factory=deque)
+    redirect_to: str | None = None
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def authority(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def clear(self) -> None:
+        self.requests.clear()
+
+    async def _handle(self, request: Request) -> Response:
+        self.requests.append(
+            Seen(
+                request.method,
+                request.url.path,
+                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]],
+            )
+        )
+        if self.fail_next:
+            return JSONResponse({"error": "injected failure"}, status_code=self.fail_next.popleft())
+        if request.url.path.startswith("/r/") and self.redirect_to:
+            return RedirectResponse(self.redirect_to + request.url.path[2:], status_code=307)
+        if request.url.path.endswith("/chat/completions"):
+            body = json.loads(await request.body() or b"{}")
+            return JSONResponse(_completion(body))
+        return JSONResponse({"ok": True})
+
+    def start(self) -> Recorder:
+        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "PUT"])])
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("recorder did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> Recorder:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _completion(body: dict[str, object]) -> dict[str, object]:
+    messages = body.get("messages") or []
+    return {
+        "id": "chatcmpl-recorder",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model", "recorder"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": f"turn {len(messages)}"},  # type: ignore[arg-type]
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
+async def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    """Poll ``predicate()`` until true (servers record asynchronously to the client returning)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)

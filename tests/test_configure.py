@@ -1,0 +1,100 @@
+"""configure(): arguments, environment, errors that name their cause, repeat calls and undo."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from opentelemetry import propagate
+
+import otel_session
+from otel_session import SESSION_HEADER
+from otel_session._propagator import SessionPropagator
+from tests.recorder import Recorder
+
+
+def test_environment_is_read_when_arguments_are_missing(monkeypatch: pytest.MonkeyPatch, dynamo: Recorder) -> None:
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", f" , {dynamo.authority} ,, other:1 ")
+    monkeypatch.setenv("OTEL_SESSION_TRUSTED_HOSTS", "gym-agent:9000")
+    settings = otel_session.configure()
+    assert [p.host for p in settings.rules.dynamo] == ["127.0.0.1", "other"]
+    assert [(p.host, p.port) for p in settings.rules.trusted] == [("gym-agent", 9000)]
+    assert settings.tracing is False
+    with otel_session.trajectory() as traj:
+        httpx.get(dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
+@pytest.mark.parametrize("value", ["true", "1", "YES", "On", "false", "0", "no", "OFF", ""])
+def test_tracing_variable_accepts_the_usual_spellings(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from otel_session._settings import parse_bool_env
+
+    monkeypatch.setenv("OTEL_SESSION_TRACING", value)
+    assert parse_bool_env("OTEL_SESSION_TRACING") is (value.lower() in {"true", "1", "yes", "on"})
+
+
+def test_a_bad_tracing_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SESSION_TRACING", "maybe")
+    with pytest.raises(ValueError, match="OTEL_SESSION_TRACING"):
+        otel_session.configure(dynamo_hosts=["d"])
+
+
+def test_a_malformed_pattern_names_itself_and_changes_nothing(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with pytest.raises(ValueError, match=r"'dynamo:http'"):
+        otel_session.configure(dynamo_hosts=["dynamo:http"])
+    with otel_session.trajectory() as traj:
+        httpx.get(dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
+def test_a_malformed_environment_pattern_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "ok-host,bad host")
+    with pytest.raises(ValueError, match="OTEL_SESSION_DYNAMO_HOSTS.*'bad host'"):
+        otel_session.configure()
+
+
+def test_second_configure_replaces_the_first(dynamo: Recorder, other: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    otel_session.configure(dynamo_hosts=[other.authority])
+    with otel_session.trajectory() as traj:
+        httpx.get(dynamo.url)
+        httpx.get(other.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) is None
+    assert other.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
+def test_unconfigure_restores_the_propagator_and_sends_nothing(dynamo: Recorder) -> None:
+    before = propagate.get_global_textmap()
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    assert isinstance(propagate.get_global_textmap(), SessionPropagator)
+    otel_session.unconfigure()
+    assert propagate.get_global_textmap() is before
+    with otel_session.trajectory():
+        httpx.get(dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) is None
+    assert httpx.Client._send_single_request.__name__ == "_send_single_request"
+    assert not hasattr(httpx.Client._send_single_request, "__otel_session_original__")
+
+
+def test_clients_created_before_configure_are_covered(dynamo: Recorder) -> None:
+    client = httpx.Client()
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as traj:
+        client.get(dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
+def test_public_names() -> None:
+    assert otel_session.SESSION_HEADER == "X-Dynamo-Session-ID"
+    assert otel_session.PARENT_SESSION_HEADER == "X-Dynamo-Parent-Session-ID"
+
+
+def test_the_callers_request_object_is_left_unchanged(dynamo: Recorder) -> None:
+    """Headers are added for the hop only, so a Request reused elsewhere carries nothing of ours."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with httpx.Client() as client, otel_session.trajectory() as traj:
+        request = client.build_request("GET", dynamo.url)
+        response = client.send(request)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+    assert SESSION_HEADER not in request.headers
+    assert SESSION_HEADER not in response.request.headers

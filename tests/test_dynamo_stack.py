@@ -1,0 +1,209 @@
+"""The local Dynamo stack itself: serving, worker ids, session affinity, fault injection, cleanup.
+
+These tests exercise the stack, not the library, so they set ``X-Dynamo-Session-ID`` by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from otel_session.dynamo import (
+    NVEXT_EXTRA_BODY,
+    DynamoStartError,
+    LocalDynamo,
+    cached_tokens_of,
+    ttft_ms_of,
+    worker_id_of,
+)
+from otel_session.dynamo._model import REQUIRED_FILES, ensure_model_dir
+
+try:
+    from dynamo_fixtures import local_dynamo_factory, make_dynamo_fixture
+except ImportError:  # tests/ imported as a package
+    from tests.dynamo_fixtures import local_dynamo_factory, make_dynamo_fixture
+
+openai = pytest.importorskip("openai")
+
+__all__ = ["local_dynamo_factory"]  # re-exported fixture
+
+# Our own stack: these tests stop a worker, so they must not share the session-wide one.
+stack = make_dynamo_fixture(scope="module", workers=4, router_mode="round-robin", affinity_ttl_secs=300)
+
+SESSIONS = [f"sess-{i}" for i in range(5)]  # odd: even counts can look pinned under round-robin
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def _ask(dyn: LocalDynamo, session: str | None, base_url: str | None = None) -> int:
+    """One short chat turn; returns the index of the worker that served it."""
+    headers = {"X-Dynamo-Session-ID": session} if session else None
+    resp = _client(base_url or dyn.base_url).chat.completions.create(
+        model=dyn.model_name,
+        messages=[{"role": "user", "content": f"hello from {session}"}],
+        max_tokens=2,
+        extra_body=NVEXT_EXTRA_BODY,
+        extra_headers=headers,
+    )
+    worker_id = worker_id_of(resp)
+    assert worker_id is not None
+    return dyn.worker_index(worker_id)
+
+
+def _pgroup_members(pgid: int) -> list[int]:
+    members = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_model_dir_is_built_once_even_concurrently(tmp_path: Path) -> None:
+    code = f"from otel_session.dynamo._model import ensure_model_dir; print(ensure_model_dir({str(tmp_path)!r}))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outs) == 1
+    model = Path(outs.pop())
+    assert [p.name for p in tmp_path.iterdir()] == [model.name]  # no temp dirs left behind
+    assert all((model / f).is_file() for f in REQUIRED_FILES)
+    assert "chat_template" in json.loads((model / "tokenizer_config.json").read_text())
+    assert ensure_model_dir(tmp_path) == model
+
+
+def test_serves_chat_completion_with_worker_id(stack: LocalDynamo) -> None:
+    assert stack.base_url == f"http://{stack.host}/v1"
+    assert stack.host.startswith("127.0.0.1:")
+    assert len(stack.worker_ids) == len(set(stack.worker_ids)) == 4
+    client = _client(stack.base_url)
+    messages = [{"role": "user", "content": "The trace session worker reports a latency budget."}]
+
+    resp = client.chat.completions.create(
+        model=stack.model_name, messages=messages, max_tokens=5, extra_body=NVEXT_EXTRA_BODY
+    )
+    assert resp.choices[0].message.content
+    assert worker_id_of(resp) in stack.worker_ids
+    assert resp.model_extra["nvext"]["worker_id"]["decode_worker_id"] == worker_id_of(resp)
+    ttft = ttft_ms_of(resp)
+    assert ttft is not None and ttft >= 0
+    assert isinstance(cached_tokens_of(resp), int)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=stack.model_name,
+            messages=messages,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NVEXT_EXTRA_BODY,
+        )
+    )
+    ids = {worker_id_of(c) for c in chunks} - {None}
+    assert len(ids) == 1 and ids <= set(stack.worker_ids)
+    assert any(ttft_ms_of(c) is not None for c in chunks)
+    assert any(cached_tokens_of(c) is not None for c in chunks)
+
+
+def test_affinity_pins_sessions_and_spreads_them(stack: LocalDynamo) -> None:
+    # Interleave turns across sessions: plain round-robin would move every session each turn.
+    seen: dict[str, list[int]] = {s: [] for s in SESSIONS}
+    for _turn in range(4):
+        for s in SESSIONS:
+            seen[s].append(_ask(stack, s))
+    assert all(len(set(workers)) == 1 for workers in seen.values()), seen
+    assert len({workers[0] for workers in seen.values()}) >= 3, seen
+    # Control: without the header the same router spreads requests.
+    assert len({_ask(stack, None) for _ in range(4)}) > 1
+
+
+def test_sigterm_worker_rebinds_session(stack: LocalDynamo) -> None:
+    session = "sess-failover"
+    first = {_ask(stack, session) for _ in range(3)}
+    assert len(first) == 1
+    victim = first.pop()
+    stack.stop_worker(victim, signal.SIGTERM)
+    assert stack.workers[victim].popen.returncode == 0
+    after = [_ask(stack, session) for _ in range(4)]
+    assert victim not in after
+    assert len(set(after)) == 1, after  # re-bound to one survivor
+    assert all(_ask(stack, s) != victim for s in SESSIONS)  # other sessions keep working too
+
+
+def test_stop_leaves_nothing_behind(stack: LocalDynamo) -> None:
+    assert stack.broker is not None and stack.run_dir is not None
+    pids, pgid, run_dir, port = stack.pids, stack.broker.pid, stack.run_dir, stack.port
+    assert set(_pgroup_members(pgid)) >= set(pids) - {stack.workers[i].pid for i in range(4)}
+    stack.stop()
+    assert not run_dir.exists()
+    assert not any(_alive(p) for p in pids)
+    assert _pgroup_members(pgid) == []
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass
+    stack.stop()  # idempotent
+
+
+def test_affinity_is_shared_between_two_frontends(local_dynamo_factory: Callable[..., LocalDynamo]) -> None:
+    dyn = local_dynamo_factory(workers=3, frontends=2, router_mode="random", affinity_ttl_secs=300)
+    assert len(set(dyn.base_urls)) == 2
+    for s in SESSIONS:
+        workers = {_ask(dyn, s, dyn.base_urls[turn % 2]) for turn in range(4)}
+        assert len(workers) == 1, (s, workers)
+    dyn.stop()
+
+
+def test_failed_start_reports_log_and_cleans_up(tmp_path: Path) -> None:
+    dyn = LocalDynamo(workers=1, frontend_args=["--no-such-flag"], startup_timeout=20)
+    with pytest.raises(DynamoStartError, match="no-such-flag"):
+        dyn.start()
+    assert dyn.run_dir is not None and not dyn.run_dir.exists()
+    assert not any(_alive(p) for p in dyn.pids)
+
+
+def test_watchdog_cleans_up_when_owner_is_killed(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import json, sys, time
+        from otel_session.dynamo import LocalDynamo
+        dyn = LocalDynamo(workers=1).start()
+        print(json.dumps({"pids": dyn.pids, "run_dir": str(dyn.run_dir)}), flush=True)
+        time.sleep(120)
+        """
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        info = json.loads(owner.stdout.readline())
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in info["pids"]) and not Path(info["run_dir"]).exists():
+            break
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in info["pids"])
+    assert not Path(info["run_dir"]).exists()

@@ -1,0 +1,117 @@
+"""trajectory(): one fresh ID per attempt, adoption rules, and exact restoration of the context."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from opentelemetry import baggage, context, trace
+
+import otel_session
+
+
+def test_each_attempt_mints_a_canonical_uuid4() -> None:
+    ids = set()
+    for _ in range(100):
+        with otel_session.trajectory() as traj:
+            assert traj.session_id is not None
+            assert str(uuid.UUID(traj.session_id)) == traj.session_id
+            assert uuid.UUID(traj.session_id).version == 4
+            assert otel_session.current_session_id() == traj.session_id
+            ids.add(traj.session_id)
+    assert len(ids) == 100
+    assert otel_session.current_session_id() is None
+
+
+def test_leaving_restores_the_previous_context_exactly_also_on_error() -> None:
+    token = context.attach(baggage.set_baggage("user.key", "kept"))
+    try:
+        before = context.get_current()
+        with pytest.raises(KeyError), otel_session.trajectory():
+            assert baggage.get_baggage("user.key") == "kept"  # the caller's baggage stays visible
+            raise KeyError("boom")
+        assert context.get_current() == before
+    finally:
+        context.detach(token)
+
+
+async def test_cancellation_restores_the_context() -> None:
+    entered = asyncio.Event()
+
+    async def attempt() -> None:
+        async with otel_session.trajectory():
+            entered.set()
+            await asyncio.sleep(10)
+
+    before = context.get_current()
+    task = asyncio.create_task(attempt())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert context.get_current() == before
+    assert otel_session.current_session_id() is None
+
+
+def test_adopted_id_is_used_as_is_and_nested_adoption_of_the_same_id_is_no_nesting() -> None:
+    gym_uuid = str(uuid.uuid4())
+    with otel_session.trajectory(session_id=gym_uuid) as traj:
+        assert traj.session_id == gym_uuid
+        with otel_session.trajectory(session_id=gym_uuid) as again:
+            assert again.parent_session_id is None
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x" * 257, "caf\u00e9", "line\nbreak", "tab\t", "\x00"])
+def test_an_unusable_adopted_id_is_a_clear_value_error(bad: str) -> None:
+    with pytest.raises(ValueError, match="session_id"):
+        otel_session.trajectory(session_id=bad)
+
+
+def test_longest_and_shortest_adoptable_ids() -> None:
+    for good in ("x", "~" * 256, "episode-7:turn=3"):
+        with otel_session.trajectory(session_id=good) as traj:
+            assert traj.session_id == good
+
+
+def test_nested_trajectory_has_its_own_id_and_knows_its_parent() -> None:
+    with otel_session.trajectory() as outer:
+        with otel_session.trajectory() as inner:
+            assert inner.session_id != outer.session_id
+            assert inner.parent_session_id == outer.session_id
+            assert otel_session.current_session_id() == inner.session_id
+        assert otel_session.current_session_id() == outer.session_id
+        assert baggage.get_baggage("session.parent_id") is None
+
+
+def test_decorator_gives_every_call_a_new_attempt() -> None:
+    @otel_session.trajectory()
+    def rollout() -> str | None:
+        return otel_session.current_session_id()
+
+    first, second = rollout(), rollout()
+    assert first and second and first != second
+
+
+async def test_async_decorator_runs_concurrent_calls_apart() -> None:
+    @otel_session.trajectory()
+    async def rollout() -> str | None:
+        sid = otel_session.current_session_id()
+        await asyncio.sleep(0.01)
+        assert otel_session.current_session_id() == sid
+        return sid
+
+    ids = await asyncio.gather(*(rollout() for _ in range(50)))
+    assert len(set(ids)) == 50 and None not in ids
+
+
+def test_one_trajectory_object_cannot_be_entered_twice_at_once() -> None:
+    traj = otel_session.trajectory()
+    with traj, pytest.raises(RuntimeError, match="already running"), traj:
+        pass
+
+
+def test_the_span_is_non_recording_while_tracing_is_off() -> None:
+    with otel_session.trajectory() as traj:
+        assert not traj.span.is_recording()
+        assert not trace.get_current_span().get_span_context().is_valid
