@@ -1,0 +1,143 @@
+"""``otel-session doctor``: does this Dynamo deployment actually pin sessions, and if not, why?
+
+Three probes, each through the real client path a rollout uses: is the frontend reachable and which
+model does it serve; does Dynamo say which worker served a request (needed to see anything); do
+requests of one session land on one worker while requests without a session spread. Every failed
+check comes with the change that fixes it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from otel_session import _config
+from otel_session._ids import SESSION_HEADER
+from otel_session._trajectory import trajectory
+from otel_session.dynamo._nvext import NVEXT_EXTRA_BODY, worker_id_of
+
+AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
+
+
+@dataclass
+class Check:
+    """One finding: a name, whether it passed, what was seen, and what to do when it did not pass."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Report:
+    base_url: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(check.ok for check in self.checks)
+
+    def add(self, name: str, ok: bool, detail: str, fix: str = "") -> bool:
+        self.checks.append(Check(name, ok, detail, fix))
+        return ok
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "ok": self.ok, "checks": [vars(check) for check in self.checks]}
+
+    def render(self, out: TextIO) -> None:
+        out.write(f"otel-session doctor: {self.base_url}\n")
+        for check in self.checks:
+            out.write(f"  [{'ok' if check.ok else 'FAIL'}] {check.name}: {check.detail}\n")
+            if not check.ok and check.fix:
+                out.write(f"         fix: {check.fix}\n")
+        out.write("\n" + ("Sessions are pinned: otel-session is fully effective here.\n" if self.ok else
+                          "Sessions are NOT pinned yet; apply the fix above and run doctor again.\n"))
+
+
+def _recording_transport(sent: list[str | None]) -> Any:
+    """A real HTTP transport that notes the session header as it leaves this process."""
+    import httpx2
+
+    class Recording(httpx2.HTTPTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            sent.append(request.headers.get(SESSION_HEADER))
+            return super().handle_request(request)
+
+    return Recording()
+
+
+def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sessions: int = 3) -> Report:
+    """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``)."""
+    import httpx2
+    import openai
+
+    report = Report(base_url)
+    netloc = urlsplit(base_url).netloc
+    try:
+        listed = httpx2.get(base_url.rstrip("/") + "/models", timeout=10).json().get("data") or []
+    except Exception as exc:
+        report.add("frontend reachable", False, f"{type(exc).__name__}: {exc}",
+                   "check the URL (it ends in /v1) and that the Dynamo frontend is running")
+        return report
+    names = [str(item.get("id")) for item in listed]
+    if not report.add("frontend reachable", bool(names), f"models: {', '.join(names) or 'none'}",
+                      "no model is registered: start at least one worker for the model"):
+        return report
+    model = model or names[0]
+
+    sent: list[str | None] = []
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=1,
+                           http_client=httpx2.Client(transport=_recording_transport(sent), timeout=60))
+    rng = random.Random(time.time_ns())
+
+    def ask() -> int | None:
+        text = " ".join(str(rng.random()) for _ in range(8))  # distinct prompts: no accidental prefix pinning
+        response = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": text}], max_tokens=1, extra_body=NVEXT_EXTRA_BODY
+        )
+        return worker_id_of(response)
+
+    _config.configure(dynamo_hosts=[netloc])
+    try:
+        first = ask()
+        if not report.add("worker reported", first is not None,
+                          f"responses name worker {first}" if first is not None else "no nvext.worker_id",
+                          "use Dynamo >= 1.6: it reports the serving worker when the request asks for "
+                          "nvext.extra_fields=['worker_id']"):
+            return report
+        free = {ask() for _ in range(requests)}
+        pinned: list[set[int | None]] = []
+        for _ in range(sessions):
+            with trajectory():
+                pinned.append({ask() for _ in range(requests)})
+    except Exception as exc:
+        report.add("requests succeed", False, f"{type(exc).__name__}: {exc}",
+                   "a request failed; if it failed only with a session, the session ID may be over 256 bytes")
+        return report
+    finally:
+        _config.unconfigure()
+        client.close()
+
+    with_header = sum(1 for value in sent if value)
+    report.add("header sent", with_header >= sessions * requests,
+               f"{with_header} of {len(sent)} requests left this process with {SESSION_HEADER}",
+               "otel-session did not add the header: is this host in OTEL_SESSION_DYNAMO_HOSTS?")
+    report.add("requests without a session", True, f"spread over {len(free)} worker(s)")
+    stuck = sum(1 for workers in pinned if len(workers) == 1)
+    if len(free) == 1 and stuck == sessions:
+        report.add("sessions pinned", False,
+                   "every request went to one worker, with or without a session, so affinity cannot be told apart",
+                   "run several workers (or a router that spreads load, e.g. --router-mode round-robin) and "
+                   "run doctor again")
+    else:
+        report.add("sessions pinned", stuck == sessions,
+                   f"{stuck} of {sessions} probe sessions stayed on one worker over {requests} requests",
+                   f"start the Dynamo frontend with {AFFINITY_FLAG} 600 (session affinity is off by default); "
+                   f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
+                   "let it through, and hash on it if several frontends sit behind a load balancer")
+    return report
+

@@ -1,0 +1,196 @@
+"""A GRPO-shaped multi-turn workload, and what it tells about session affinity.
+
+The main command, the integration tests and the affinity benchmark all drive Dynamo the same way:
+``prompts x siblings`` trajectories, each one ``turns`` long and re-sending its growing history, every
+attempt inside ``otel_session.trajectory()``, through the openai SDK. Each turn records the worker
+that served it (Dynamo's ``nvext``) and the prompt tokens it found in that worker's prefix cache, so
+"did the trajectory stay on one worker, and what did that save" is read off the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from otel_session._trajectory import trajectory
+from otel_session.dynamo._nvext import NVEXT_EXTRA_BODY, cached_tokens_of, ttft_ms_of, worker_id_of
+
+_WORDS = (
+    "session worker router prefix cache token model request response latency stream agent tool user "
+    "reward policy gradient rollout episode trajectory sample batch decode prefill attention layer "
+    "block memory transfer metric export python rust function method value string list file path"
+).split()
+
+
+@dataclass
+class Turn:
+    """One model call of a trajectory, as Dynamo reported it."""
+
+    worker: int | None
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_ms: float | None
+    seconds: float
+
+
+@dataclass
+class TrajectoryResult:
+    """One attempt: its session, and every turn it made."""
+
+    prompt_index: int
+    sibling_index: int
+    session_id: str
+    turns: list[Turn] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def workers(self) -> list[int | None]:
+        return [turn.worker for turn in self.turns]
+
+    @property
+    def pinned(self) -> bool:
+        """Every turn served by one and the same (known) worker."""
+        return len(self.turns) > 0 and None not in self.workers and len(set(self.workers)) == 1
+
+    @property
+    def switches(self) -> int:
+        return sum(1 for a, b in zip(self.workers, self.workers[1:], strict=False) if a != b)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "pinned": self.pinned, "switches": self.switches}
+
+
+@dataclass
+class Summary:
+    """The figures the table's last lines and the benchmark report."""
+
+    trajectories: int
+    pinned: int
+    prompts_spread: int
+    prompts: int
+    hit_rate: float
+    mean_ttft_ms: float | None
+    p90_ttft_ms: float | None
+    mean_switches: float
+    errors: int
+
+
+def summarize(results: Sequence[TrajectoryResult]) -> Summary:
+    """Affinity figures over turns 2+ (turn 1 of a new conversation cannot be cached)."""
+    later = [turn for result in results for turn in result.turns[1:]]
+    prompt = sum(turn.prompt_tokens for turn in later)
+    ttfts = sorted(turn.ttft_ms for turn in later if turn.ttft_ms is not None)
+    by_prompt: dict[int, set[int | None]] = {}
+    for result in results:
+        if result.turns:
+            by_prompt.setdefault(result.prompt_index, set()).add(result.turns[0].worker)
+    return Summary(
+        trajectories=len(results),
+        pinned=sum(result.pinned for result in results),
+        prompts_spread=sum(1 for workers in by_prompt.values() if len(workers) > 1),
+        prompts=len(by_prompt),
+        hit_rate=sum(turn.cached_tokens for turn in later) / prompt if prompt else 0.0,
+        mean_ttft_ms=statistics.fmean(ttfts) if ttfts else None,
+        p90_ttft_ms=ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
+        mean_switches=statistics.fmean(r.switches for r in results) if results else 0.0,
+        errors=sum(result.error is not None for result in results),
+    )
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+@dataclass
+class Workload:
+    """The shape of a GRPO batch: how many prompts, siblings per prompt, turns, and how long."""
+
+    prompts: int = 3
+    siblings: int = 3
+    turns: int = 4
+    prompt_words: int = 1500
+    turn_words: int = 150
+    max_tokens: int = 16
+    seed: int = 0
+
+    @property
+    def trajectories(self) -> int:
+        return self.prompts * self.siblings
+
+
+async def run_trajectory(
+    clients: Sequence[Any],
+    model: str,
+    workload: Workload,
+    prompt_index: int,
+    sibling_index: int,
+    on_turn: Callable[[], None] | None = None,
+) -> TrajectoryResult:
+    """One attempt; turn ``t`` goes through ``clients[t % len(clients)]`` (frontend replicas)."""
+    prompt_rng = random.Random(f"{workload.seed}/{prompt_index}")
+    turn_rng = random.Random(f"{workload.seed}/{prompt_index}/{sibling_index}")
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a careful agent."},
+        {"role": "user", "content": _text(prompt_rng, workload.prompt_words)},  # shared by siblings
+    ]
+    async with trajectory(prompt_index=prompt_index, sibling_index=sibling_index) as traj:
+        result = TrajectoryResult(prompt_index, sibling_index, traj.session_id or "")
+        try:
+            for index in range(workload.turns):
+                if index:
+                    messages.append({"role": "user", "content": _text(turn_rng, workload.turn_words)})
+                began = time.perf_counter()
+                response = await clients[index % len(clients)].chat.completions.create(
+                    model=model, messages=messages, max_tokens=workload.max_tokens, extra_body=NVEXT_EXTRA_BODY
+                )
+                usage = response.usage
+                result.turns.append(
+                    Turn(
+                        worker=worker_id_of(response),
+                        prompt_tokens=usage.prompt_tokens if usage else 0,
+                        cached_tokens=cached_tokens_of(response) or 0,
+                        ttft_ms=ttft_ms_of(response),
+                        seconds=time.perf_counter() - began,
+                    )
+                )
+                messages.append({"role": "assistant", "content": response.choices[0].message.content or ""})
+                if on_turn is not None:
+                    on_turn()
+        except Exception as exc:  # reported per trajectory: one failure must not hide the others
+            result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_batch(
+    base_urls: Sequence[str],
+    model: str,
+    workload: Workload,
+    *,
+    concurrency: int = 16,
+    max_retries: int = 2,
+    on_turn: Callable[[], None] | None = None,
+) -> list[TrajectoryResult]:
+    """Run every trajectory of the batch, at most ``concurrency`` at a time, on one event loop."""
+    import openai
+
+    clients = [openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=max_retries) for url in base_urls]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt_index: int, sibling_index: int) -> TrajectoryResult:
+        async with gate:
+            return await run_trajectory(clients, model, workload, prompt_index, sibling_index, on_turn)
+
+    try:
+        return list(
+            await asyncio.gather(
+                *(one(p, s) for p in range(workload.prompts) for s in range(workload.siblings))
+            )
+        )
+    finally:
+        for client in clients:
+            await client.close()
