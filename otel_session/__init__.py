@@ -1,9 +1,9 @@
 """otel-session: one Dynamo session per RL trajectory attempt, delivered to Dynamo and nowhere else.
 
-    import otel_session
-    otel_session.configure(dynamo_hosts=["dynamo-frontend:8000"])
-    with otel_session.trajectory() as traj:
-        ...  # every httpx / openai / aiohttp request to Dynamo carries X-Dynamo-Session-ID
+import otel_session
+otel_session.configure(dynamo_hosts=["dynamo-frontend:8000"])
+with otel_session.trajectory() as traj:
+    ...  # every httpx / openai / aiohttp request to Dynamo carries X-Dynamo-Session-ID
 """
 
 from otel_session._carry import bind, resume, session_carrier

@@ -70,6 +70,6 @@ def resume(carrier: Mapping[str, Any] | None) -> Iterator[str | None]:
     ctx = with_session(session, parent if is_valid_session_id(parent) else None, ctx)  # type: ignore[arg-type]
     token = otel_context.attach(ctx)
     try:
-        yield session  # type: ignore[misc]
+        yield session
     finally:
         otel_context.detach(token)

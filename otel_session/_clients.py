@@ -17,16 +17,17 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.context import get_current
+from opentelemetry.propagators.textmap import Setter
 
 from otel_session import _faults, _settings
 from otel_session._context import DESTINATION_KEY, session_ids
 from otel_session._hosts import NOTHING
-from otel_session._propagator import inject_for
+from otel_session._propagator import inject_ids
 
 _ORIGINAL = "__otel_session_original__"
 
 
-class _Undo:
+class _Undo(Setter[Any]):
     """Records each header we set with the value it replaced, to put things back after the hop."""
 
     __slots__ = ("changes",)
@@ -35,13 +36,18 @@ class _Undo:
         self.changes: list[tuple[str, Any]] = []
 
     def set(self, carrier: Any, key: str, value: str) -> None:
-        self.changes.append((key, carrier.get(key)))
+        # ``in`` before ``get``: the header is normally absent, and a miss through httpx's ``get``
+        # raises and catches a KeyError (this runs on every request).
+        self.changes.append((key, carrier.get(key) if key in carrier else None))
         carrier[key] = value
 
     def restore(self, headers: Any) -> None:
         for key, previous in reversed(self.changes):
             if previous is None:
-                headers.pop(key, None)
+                try:  # noqa: SIM105 - ``pop(key, None)`` minus its second lookup; suppress() costs more
+                    del headers[key]
+                except KeyError:
+                    pass
             else:
                 headers[key] = previous
 
@@ -53,10 +59,11 @@ def _begin(headers: Any, scheme: str, host: str | None, port: int | None) -> tup
         return None
     ctx = get_current()
     kind = settings.rules.classify_url(scheme, host, port)
-    if kind == NOTHING and not settings.tracing and session_ids(ctx)[0] is None:
+    session, parent = session_ids(ctx)  # read once here rather than again inside inject_for
+    if kind == NOTHING and not settings.tracing and session is None:
         return None
     undo = _Undo()
-    inject_for(kind, headers, ctx, undo)
+    inject_ids(kind, headers, ctx, undo, session, parent)
     token = None
     if settings.tracing:
         # The upstream instrumentation injects later through the global propagator: tell it where.
@@ -176,5 +183,3 @@ def uninstall() -> None:
         original = getattr(current, _ORIGINAL, None)
         if original is not None:
             setattr(cls, method, original)
-
-

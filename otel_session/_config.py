@@ -44,13 +44,13 @@ def configure(
             _settings.ENV_DYNAMO_HOSTS,
         )
     with _lock:
+        _tracing.apply(settings.tracing)  # first: a missing SDK or bad exporter variable changes nothing
         current = propagate.get_global_textmap()
         if not isinstance(current, SessionPropagator):
             _previous_textmap = current
             propagate.set_global_textmap(SessionPropagator())
         _clients.install()
         _settings.set_active(settings)
-        _tracing.apply(settings.tracing)
     return settings
 
 

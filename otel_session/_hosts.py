@@ -108,7 +108,9 @@ class HostPattern:
             )
         host = normalize_host(host_text) if host_text else None
         if host is None:
-            raise ValueError(f"host pattern {pattern!r}: {host_text!r} is not a valid host name or IP address")
+            raise ValueError(
+                f"host pattern {pattern!r}: {host_text!r} is not a valid host name or IP address"
+            )
         if wildcard and (":" in host or _normalize_ip(host) is not None):
             raise ValueError(f"host pattern {pattern!r}: a '*.' wildcard needs a domain name, not an address")
         return cls(host, port, wildcard)
@@ -158,7 +160,7 @@ class HostRules:
     hosts; the cache is bounded so a crawler-like workload cannot grow it without limit.
     """
 
-    __slots__ = ("dynamo", "trusted", "_cache")
+    __slots__ = ("_cache", "dynamo", "trusted")
 
     def __init__(self, dynamo: Iterable[HostPattern] = (), trusted: Iterable[HostPattern] = ()) -> None:
         self.dynamo = tuple(dynamo)

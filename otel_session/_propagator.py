@@ -47,8 +47,35 @@ def _spellings(name: str) -> tuple[str, ...]:
     return (name, name.title(), _CANONICAL.get(name, name))
 
 
+# Header mappings that match names case-insensitively: one lookup answers for every spelling, and
+# this runs on every request, where each lookup in an httpx ``Headers`` costs about a microsecond.
+_CASE_INSENSITIVE_TYPES = frozenset(
+    {
+        ("httpx", "Headers"),
+        ("httpx2", "Headers"),
+        ("multidict", "CIMultiDict"),
+        ("multidict", "CIMultiDictProxy"),
+    }
+)
+_case_insensitive: dict[type, bool] = {}
+
+
+def _is_case_insensitive(carrier: Any) -> bool:
+    """Whether ``carrier`` is one of the known case-insensitive header types (exact type, by name)."""
+    kind = type(carrier)
+    known = _case_insensitive.get(kind)
+    if known is None:
+        known = (kind.__module__.partition(".")[0], kind.__qualname__) in _CASE_INSENSITIVE_TYPES
+        if len(_case_insensitive) < 64:  # carrier types are few; bounded all the same
+            _case_insensitive[kind] = known
+    return known
+
+
 def _carrier_get(carrier: Any, name: str) -> Any:
     """Read a header from a header mapping (httpx, multidict) or a plain dict, ignoring case."""
+    if _is_case_insensitive(carrier):
+        # ``in`` first: a miss (the usual case) through httpx's ``get`` raises and catches KeyError.
+        return carrier.get(name) if name in carrier else None
     get = getattr(carrier, "get", None)
     if not callable(get):
         return None
@@ -61,6 +88,10 @@ def _carrier_get(carrier: Any, name: str) -> Any:
 
 def _carrier_pop_if(carrier: Any, name: str, values: set[str]) -> None:
     """Remove header ``name`` only where its value is one of ``values``: one that we put there."""
+    if _is_case_insensitive(carrier):
+        if name in carrier and carrier.get(name) in values:
+            del carrier[name]
+        return
     if not isinstance(carrier, MutableMapping):
         return
     for key in _spellings(name):
@@ -100,13 +131,15 @@ class SessionPropagator(TextMapPropagator):
         """``DYNAMO`` / ``TRUSTED`` flags for where ``carrier`` is headed, ``NOTHING`` if unknown."""
         rules = self._rules()
         destination = context.get(DESTINATION_KEY)
-        if destination is not None:
+        if isinstance(destination, tuple):
             scheme, host, port = destination
             return rules.classify_url(scheme, host, port)
         authority = _carrier_get(carrier, "host")
         return rules.classify_authority(authority) if isinstance(authority, str) else NOTHING
 
-    def inject(self, carrier: CarrierT, context: Context | None = None, setter: Setter[CarrierT] = default_setter) -> None:
+    def inject(
+        self, carrier: CarrierT, context: Context | None = None, setter: Setter[CarrierT] = default_setter
+    ) -> None:
         try:
             ctx = context if context is not None else get_current()
             inject_for(self.destination_kind(carrier, ctx), carrier, ctx, setter)
@@ -130,6 +163,13 @@ class SessionPropagator(TextMapPropagator):
 def inject_for(kind: int, carrier: Any, context: Context, setter: Setter[Any] = default_setter) -> None:
     """Write into ``carrier`` what a destination of ``kind`` may receive; take back ours elsewhere."""
     session, parent = session_ids(context)
+    inject_ids(kind, carrier, context, setter, session, parent)
+
+
+def inject_ids(
+    kind: int, carrier: Any, context: Context, setter: Setter[Any], session: str | None, parent: str | None
+) -> None:
+    """``inject_for`` with ``session_ids(context)`` already read, as the client hooks have to anyway."""
     if kind & DYNAMO:
         if session is not None and _carrier_get(carrier, _SESSION) is None:
             setter.set(carrier, SESSION_HEADER, session)

@@ -1,15 +1,267 @@
-"""Tracing on or off. PLACEHOLDER, being replaced by the tracing work (issue 5)."""
+"""Optional trace export: otel-session's own SDK provider, exporting over OTLP while tracing is on.
+
+"Off" (the default) means no SDK provider of ours at all, so otel-session's spans are non-recording
+with an invalid context and no ``traceparent`` leaves the process; an SDK with its sampler turned off
+would still send one to every host. If the application installed an SDK provider itself, our spans
+record into that one instead and ``traceparent`` goes only where the propagator allows it.
+
+OpenTelemetry's global tracer provider can be set once per process, yet ``configure()`` may run again
+and ``unconfigure()`` must undo. So otel-session creates one provider per process, at the first
+tracing-on, and makes it the global one only when nobody else has (so the application's own spans join
+the same traces). Turning tracing off and on again swaps the export pipeline behind that provider
+rather than the provider; ``tracer()`` hands out a tracer from it only while tracing is on. The
+resource (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``) is therefore read once, at the first
+tracing-on; the exporter settings (``OTEL_EXPORTER_OTLP_*``) each time tracing turns on.
+
+An SDK provider the application installed is left alone: we do not add our ``SessionSpanProcessor``
+to it, because a processor cannot be removed again (``unconfigure()`` could not undo it) and it would
+write session IDs into a pipeline that did not ask for them. One line does it for an application
+that wants them: ``provider.add_span_processor(SessionSpanProcessor())``.
+
+Export never slows or fails a request: spans are queued for a background thread, the OTLP exporter
+gives up after ``DEFAULT_EXPORT_TIMEOUT_S`` (unless ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` says
+otherwise), and shutdown, explicit or at process exit, drops what it cannot send within
+``SHUTDOWN_BUDGET_S``, so a collector that is down costs at most budget + one export timeout.
+"""
 
 from __future__ import annotations
 
+import atexit
+import importlib
+import importlib.util
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
 from opentelemetry import trace
+from opentelemetry.context import Context
+
+from otel_session import _faults
+from otel_session._context import session_ids
+
+try:
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    _HAVE_SDK = True
+except ImportError:  # the [tracing] extra is not installed: everything but tracing still works
+    _HAVE_SDK = False
+    SpanProcessor = SpanExporter = object  # type: ignore[misc,assignment]
+
+ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+ENV_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
+ENV_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
+INSTALL_HINT = "pip install 'otel-session[tracing]'"
+SESSION_ATTRIBUTE = "session.id"
+# Seconds. The OTLP default (10 s) would let a dead collector hold up shutdown and process exit.
+DEFAULT_EXPORT_TIMEOUT_S = 2.0
+SHUTDOWN_BUDGET_S = 1.5
+
+_TRACER_NAME = "otel_session"
+_NOOP_TRACER = trace.NoOpTracer()
+# (client library, instrumentation module, instrumentor class): each used when both are installed.
+_INSTRUMENTORS = (
+    ("httpx", "opentelemetry.instrumentation.httpx", "HTTPXClientInstrumentor"),
+    ("httpx2", "opentelemetry.instrumentation.httpx", "HTTPX2ClientInstrumentor"),
+    ("aiohttp", "opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor"),
+)
+
+
+class SessionSpanProcessor(SpanProcessor):
+    """Puts ``session.id`` on every span started inside a trajectory, read from the context's baggage.
+
+    Client spans are started by instrumentations that know nothing of sessions; span start is the one
+    place that sees every span, each retry's included, with the trajectory's context.
+    """
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        try:
+            session, _ = session_ids(parent_context)
+            if session is not None:
+                span.set_attribute(SESSION_ATTRIBUTE, session)
+        except Exception as exc:  # a span without the attribute beats a failed request
+            _faults.report("adding session.id to a span", exc)
+
+
+class _DeadlineExporter(SpanExporter):
+    """Drops batches once shutdown's budget is spent, so exit never waits for a collector that is down.
+
+    The SDK's batch processor waits up to 30 s at shutdown and ignores its export timeout; this
+    bound needs only the public exporter interface.
+    """
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self._inner = inner
+        self._deadline = float("inf")
+
+    def expire_in(self, seconds: float) -> None:
+        self._deadline = time.monotonic() + seconds
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if time.monotonic() >= self._deadline:
+            return SpanExportResult.FAILURE
+        return self._inner.export(spans)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
+class _Outlet(SpanProcessor):
+    """Hands ended spans to the current export pipeline, or drops them while tracing is off.
+
+    The provider may be the global one, which cannot be replaced, so on/off swaps what is behind this.
+    """
+
+    def __init__(self) -> None:
+        self._pipeline: tuple[BatchSpanProcessor, _DeadlineExporter] | None = None
+
+    def connect(self, exporter: SpanExporter) -> None:
+        deadline_exporter = _DeadlineExporter(exporter)
+        self._pipeline = (BatchSpanProcessor(deadline_exporter), deadline_exporter)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        pipeline = self._pipeline
+        if pipeline is not None:
+            pipeline[0].on_end(span)
+
+    def shutdown(self) -> None:
+        """Send what can be sent within ``SHUTDOWN_BUDGET_S``, then close the exporter."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            processor, exporter = pipeline
+            exporter.expire_in(SHUTDOWN_BUDGET_S)
+            processor.shutdown()  # type: ignore[no-untyped-call]
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        pipeline = self._pipeline
+        return True if pipeline is None else pipeline[0].force_flush(timeout_millis)
+
+
+_lock = threading.Lock()
+_provider: TracerProvider | None = None  # created at the first tracing-on, kept for the process
+_outlet: _Outlet | None = None
+_tracer: trace.Tracer | None = None  # set only while tracing is on
+_owns_global = False
+_instrumented: list[Any] = []
+_exit_hook_registered = False
 
 
 def apply(enabled: bool) -> None:
-    """Turn otel-session's own trace export on or off."""
-    if enabled:
-        raise NotImplementedError("tracing export is not built yet")
+    """Turn trace export on or off; turning it on while it is on keeps the running pipeline.
+
+    Raises ``ImportError`` (naming the extra to install) or ``ValueError`` (an unusable
+    ``OTEL_EXPORTER_OTLP_*`` protocol) before anything changes.
+    """
+    with _lock:
+        if enabled and _tracer is None:
+            _start()
+        elif not enabled and _tracer is not None:
+            _stop()
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("otel_session")
+    """The tracer for trajectory spans, looked up at each trajectory start since tracing can switch."""
+    current = _tracer
+    if current is not None:
+        return current
+    if _owns_global:
+        return _NOOP_TRACER  # the global provider is our idle one: off must mean no valid spans
+    return trace.get_tracer(_TRACER_NAME)
+
+
+def provider() -> TracerProvider | None:
+    """otel-session's provider (whether or not tracing is on now), ``None`` before the first on."""
+    return _provider
+
+
+def _start() -> None:
+    global _provider, _outlet, _tracer, _owns_global, _exit_hook_registered
+    if not _HAVE_SDK:
+        raise ImportError(f"otel-session tracing needs the OpenTelemetry SDK: {INSTALL_HINT}")
+    exporter = _otlp_exporter()
+    if _provider is None or _outlet is None:
+        _outlet = _Outlet()
+        _provider = TracerProvider(resource=Resource.create(), shutdown_on_exit=False)
+        _provider.add_span_processor(SessionSpanProcessor())
+        _provider.add_span_processor(_outlet)
+        if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+            trace.set_tracer_provider(_provider)
+        _owns_global = trace.get_tracer_provider() is _provider
+    _outlet.connect(exporter)
+    _instrumented[:] = _instrument_clients(_provider)
+    _tracer = _provider.get_tracer(_TRACER_NAME)
+    if not _exit_hook_registered:
+        atexit.register(_at_exit)
+        _exit_hook_registered = True
+
+
+def _stop() -> None:
+    global _tracer
+    _tracer = None
+    for instrumentor in _instrumented:
+        try:
+            instrumentor.uninstrument()
+        except Exception as exc:
+            _faults.report("removing the client instrumentation", exc)
+    _instrumented.clear()
+    if _outlet is not None:
+        _outlet.shutdown()
+
+
+def _at_exit() -> None:
+    with _lock:
+        if _tracer is not None:
+            _stop()
+
+
+def _otlp_exporter() -> SpanExporter:
+    """The OTLP exporter the standard variables ask for (default ``http/protobuf``, as the spec says)."""
+    variable = ENV_TRACES_PROTOCOL if os.environ.get(ENV_TRACES_PROTOCOL) else ENV_PROTOCOL
+    raw = os.environ.get(variable) or "http/protobuf"
+    protocol = raw.strip().lower()
+    if protocol == "grpc":
+        module = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+    elif protocol == "http/protobuf":
+        module = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+    else:
+        raise ValueError(f"{variable}={raw!r}: otel-session exports traces over 'grpc' or 'http/protobuf'")
+    try:
+        exporter_class = importlib.import_module(module).OTLPSpanExporter
+    except ImportError as exc:
+        raise ImportError(f"otel-session tracing over {protocol} needs {module}: {INSTALL_HINT}") from exc
+    timeout_set = os.environ.get(ENV_TRACES_TIMEOUT) or os.environ.get(ENV_TIMEOUT)
+    exporter: SpanExporter = exporter_class(timeout=None if timeout_set else DEFAULT_EXPORT_TIMEOUT_S)
+    return exporter
+
+
+def _instrument_clients(tracer_provider: TracerProvider) -> list[Any]:
+    """Client spans from the upstream instrumentors, with our provider; returns those to undo later.
+
+    One already instrumented by someone else (``opentelemetry-instrument``, the application) is left
+    as it is, with its provider, and not undone by us.
+    """
+    done = []
+    for library, module, class_name in _INSTRUMENTORS:
+        if importlib.util.find_spec(library) is None:
+            continue
+        try:
+            instrumentor = getattr(importlib.import_module(module), class_name)()
+        except (ImportError, AttributeError):
+            continue  # that instrumentation is not installed: this client gets no spans, nothing else changes
+        if instrumentor.is_instrumented_by_opentelemetry:
+            continue
+        try:
+            instrumentor.instrument(tracer_provider=tracer_provider)
+        except Exception as exc:
+            _faults.report(f"instrumenting {library} for client spans", exc)
+            continue
+        if instrumentor.is_instrumented_by_opentelemetry:
+            done.append(instrumentor)
+    return done

@@ -18,14 +18,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
+from otel_session import _tracing
 from otel_session._context import session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_tracer = trace.get_tracer("otel_session")
 
 
-class trajectory:  # noqa: N801 - used like a function: `with otel_session.trajectory():`
+class trajectory:
     """Run one trajectory attempt under its own Dynamo session.
 
     Each entry is a new attempt with a fresh UUID4, unless ``session_id`` adopts an existing stable
@@ -47,7 +47,11 @@ class trajectory:  # noqa: N801 - used like a function: `with otel_session.traje
         self._adopted = None if session_id is None else check_session_id(session_id)
         self._name = name
         self._attributes: dict[str, AttributeValue] = dict(attributes or {})
-        for key, value in (("prompt_index", prompt_index), ("sibling_index", sibling_index), ("attempt", attempt)):
+        for key, value in (
+            ("prompt_index", prompt_index),
+            ("sibling_index", sibling_index),
+            ("attempt", attempt),
+        ):
             if value is not None:
                 self._attributes[f"otel_session.{key}"] = value
         self._token: object | None = None
@@ -78,7 +82,7 @@ class trajectory:  # noqa: N801 - used like a function: `with otel_session.traje
         attributes = {"session.id": session, "gen_ai.conversation.id": session, **self._attributes}
         if parent is not None:
             attributes["otel_session.parent_session_id"] = parent
-        span = _tracer.start_span(self._name, context=ctx, attributes=attributes)
+        span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
         self._span = span
         self.session_id, self.parent_session_id = session, parent
         self._token = otel_context.attach(trace.set_span_in_context(span, ctx))

@@ -72,22 +72,29 @@ def _worker_label(worker: int | None, names: dict[int, str]) -> str:
     return names.setdefault(worker, f"w{len(names)}")
 
 
-def render_table(results: Sequence[TrajectoryResult], out: TextIO, names: dict[int, str] | None = None) -> None:
+def render_table(
+    results: Sequence[TrajectoryResult], out: TextIO, names: dict[int, str] | None = None
+) -> None:
     """The human table: one row per trajectory, then the summary lines."""
     names = {} if names is None else names
-    out.write(f"{'prompt':>6} {'sib':>3}  {'session id':36}  {'turns':>5}  {'workers by turn':24} {'cached':>7}\n")
+    out.write(
+        f"{'prompt':>6} {'sib':>3}  {'session id':36}  {'turns':>5}  {'workers by turn':24} {'cached':>7}\n"
+    )
     for r in results:
         workers = " ".join(_worker_label(w, names) for w in r.workers)
         later = r.turns[1:]
         prompt = sum(t.prompt_tokens for t in later)
         cached = f"{sum(t.cached_tokens for t in later) / prompt:7.1%}" if prompt else f"{'-':>7}"
-        line = f"{r.prompt_index:>6} {r.sibling_index:>3}  {r.session_id:36}  {len(r.turns):>5}  {workers:24} {cached}"
+        line = f"{r.prompt_index:>6} {r.sibling_index:>3}  {r.session_id:36}  {len(r.turns):>5}  {workers:24}"
+        line += f" {cached}"
         out.write(line + (f"  ERROR {r.error}" if r.error else "") + "\n")
     s = summarize(results)
     out.write("\n")
     out.write(f"trajectories pinned to one worker : {s.pinned}/{s.trajectories}\n")
     seen = len({worker for r in results for worker in r.workers if worker is not None})
-    out.write(f"prompts whose siblings spread     : {s.prompts_spread}/{s.prompts} (over {seen} workers seen)\n")
+    out.write(
+        f"prompts whose siblings spread     : {s.prompts_spread}/{s.prompts} (over {seen} workers seen)\n"
+    )
     out.write(f"prefix-cache hit rate, turns 2+   : {s.hit_rate:.1%}\n")
     if s.mean_ttft_ms is not None:
         out.write(f"TTFT turns 2+ mean / p90          : {s.mean_ttft_ms:.0f} ms / {s.p90_ttft_ms:.0f} ms\n")
@@ -106,15 +113,26 @@ def _run(args: argparse.Namespace) -> int:
         from otel_session.dynamo import LocalDynamo
 
         if not args.json:
-            print(f"starting a local Dynamo 1.6.1: {args.workers} mocker workers, {args.router} router, "
-                  "session affinity on ...", file=sys.stderr)
-        stack = LocalDynamo(workers=args.workers, router_mode=args.router, affinity_ttl_secs=args.affinity_ttl)
+            print(
+                f"starting a local Dynamo 1.6.1: {args.workers} mocker workers, {args.router} router, "
+                "session affinity on ...",
+                file=sys.stderr,
+            )
+        stack = LocalDynamo(
+            workers=args.workers, router_mode=args.router, affinity_ttl_secs=args.affinity_ttl
+        )
         stack.start()
         base_urls, model = stack.base_urls, stack.model_name
-        names = {worker.instance_id: f"w{worker.index}" for worker in stack.workers if worker.instance_id is not None}
+        names = {
+            worker.instance_id: f"w{worker.index}"
+            for worker in stack.workers
+            if worker.instance_id is not None
+        }
     try:
         _config.configure(dynamo_hosts=[_host_of(url) for url in base_urls])
-        results = asyncio.run(run_batch(base_urls, model, workload, concurrency=args.concurrency, on_turn=progress.step))
+        results = asyncio.run(
+            run_batch(base_urls, model, workload, concurrency=args.concurrency, on_turn=progress.step)
+        )
         progress.close()
     finally:
         _config.unconfigure()
@@ -122,7 +140,9 @@ def _run(args: argparse.Namespace) -> int:
             stack.stop()
     summary = summarize(results)
     if args.json:
-        json.dump({"summary": asdict(summary), "trajectories": [r.to_dict() for r in results]}, sys.stdout, indent=2)
+        json.dump(
+            {"summary": asdict(summary), "trajectories": [r.to_dict() for r in results]}, sys.stdout, indent=2
+        )
         sys.stdout.write("\n")
     else:
         render_table(results, sys.stdout, names)
@@ -162,19 +182,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--turns", type=int, default=4, help="turns per trajectory (default 4)")
     parser.add_argument("--concurrency", type=int, default=16, help="trajectories in flight (default 16)")
     parser.add_argument("--workers", type=int, default=4, help="local stack: mocker workers (default 4)")
-    parser.add_argument("--router", default="round-robin", help="local stack: router mode (default round-robin)")
+    parser.add_argument(
+        "--router", default="round-robin", help="local stack: router mode (default round-robin)"
+    )
     parser.add_argument("--affinity-ttl", type=int, default=300, help="local stack: affinity TTL seconds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run)
     sub = parser.add_subparsers(dest="command")
-    doctor = sub.add_parser("doctor", help="check that a Dynamo deployment pins sessions, and say how to fix it")
+    doctor = sub.add_parser(
+        "doctor", help="check that a Dynamo deployment pins sessions, and say how to fix it"
+    )
     doctor.add_argument("--base-url", required=True, help="the Dynamo frontend, e.g. http://dynamo:8000/v1")
     doctor.add_argument("--model", help="model name (default: the first one the frontend lists)")
     doctor.add_argument("--requests", type=int, default=6, help="requests per probe session (default 6)")
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.set_defaults(func=_doctor)
-    install = sub.add_parser("install-dynamo", help="install Dynamo 1.6.1 for the local stack (pip, --no-deps)")
+    install = sub.add_parser(
+        "install-dynamo", help="install Dynamo 1.6.1 for the local stack (pip, --no-deps)"
+    )
     install.set_defaults(func=_install)
     return parser
 
@@ -186,8 +212,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\notel-session: interrupted; every process it started has been stopped.", file=sys.stderr)
         return 130
-
-
 
 
 if __name__ == "__main__":

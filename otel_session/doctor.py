@@ -54,8 +54,14 @@ class Report:
             out.write(f"  [{'ok' if check.ok else 'FAIL'}] {check.name}: {check.detail}\n")
             if not check.ok and check.fix:
                 out.write(f"         fix: {check.fix}\n")
-        out.write("\n" + ("Sessions are pinned: otel-session is fully effective here.\n" if self.ok else
-                          "Sessions are NOT pinned yet; apply the fix above and run doctor again.\n"))
+        out.write(
+            "\n"
+            + (
+                "Sessions are pinned: otel-session is fully effective here.\n"
+                if self.ok
+                else "Sessions are NOT pinned yet; apply the fix above and run doctor again.\n"
+            )
+        )
 
 
 def _recording_transport(sent: list[str | None]) -> Any:
@@ -80,34 +86,52 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
     try:
         listed = httpx2.get(base_url.rstrip("/") + "/models", timeout=10).json().get("data") or []
     except Exception as exc:
-        report.add("frontend reachable", False, f"{type(exc).__name__}: {exc}",
-                   "check the URL (it ends in /v1) and that the Dynamo frontend is running")
+        report.add(
+            "frontend reachable",
+            False,
+            f"{type(exc).__name__}: {exc}",
+            "check the URL (it ends in /v1) and that the Dynamo frontend is running",
+        )
         return report
     names = [str(item.get("id")) for item in listed]
-    if not report.add("frontend reachable", bool(names), f"models: {', '.join(names) or 'none'}",
-                      "no model is registered: start at least one worker for the model"):
+    if not report.add(
+        "frontend reachable",
+        bool(names),
+        f"models: {', '.join(names) or 'none'}",
+        "no model is registered: start at least one worker for the model",
+    ):
         return report
     model = model or names[0]
 
     sent: list[str | None] = []
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=1,
-                           http_client=httpx2.Client(transport=_recording_transport(sent), timeout=60))
+    client = openai.OpenAI(
+        base_url=base_url,
+        api_key="unused",
+        max_retries=1,
+        http_client=httpx2.Client(transport=_recording_transport(sent), timeout=60),
+    )
     rng = random.Random(time.time_ns())
 
     def ask() -> int | None:
         text = " ".join(str(rng.random()) for _ in range(8))  # distinct prompts: no accidental prefix pinning
         response = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": text}], max_tokens=1, extra_body=NVEXT_EXTRA_BODY
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=1,
+            extra_body=NVEXT_EXTRA_BODY,
         )
         return worker_id_of(response)
 
     _config.configure(dynamo_hosts=[netloc])
     try:
         first = ask()
-        if not report.add("worker reported", first is not None,
-                          f"responses name worker {first}" if first is not None else "no nvext.worker_id",
-                          "use Dynamo >= 1.6: it reports the serving worker when the request asks for "
-                          "nvext.extra_fields=['worker_id']"):
+        if not report.add(
+            "worker reported",
+            first is not None,
+            f"responses name worker {first}" if first is not None else "no nvext.worker_id",
+            "use Dynamo >= 1.6: it reports the serving worker when the request asks for "
+            "nvext.extra_fields=['worker_id']",
+        ):
             return report
         free = {ask() for _ in range(requests)}
         pinned: list[set[int | None]] = []
@@ -115,29 +139,41 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
             with trajectory():
                 pinned.append({ask() for _ in range(requests)})
     except Exception as exc:
-        report.add("requests succeed", False, f"{type(exc).__name__}: {exc}",
-                   "a request failed; if it failed only with a session, the session ID may be over 256 bytes")
+        report.add(
+            "requests succeed",
+            False,
+            f"{type(exc).__name__}: {exc}",
+            "a request failed; if it failed only with a session, the session ID may be over 256 bytes",
+        )
         return report
     finally:
         _config.unconfigure()
         client.close()
 
     with_header = sum(1 for value in sent if value)
-    report.add("header sent", with_header >= sessions * requests,
-               f"{with_header} of {len(sent)} requests left this process with {SESSION_HEADER}",
-               "otel-session did not add the header: is this host in OTEL_SESSION_DYNAMO_HOSTS?")
+    report.add(
+        "header sent",
+        with_header >= sessions * requests,
+        f"{with_header} of {len(sent)} requests left this process with {SESSION_HEADER}",
+        "otel-session did not add the header: is this host in OTEL_SESSION_DYNAMO_HOSTS?",
+    )
     report.add("requests without a session", True, f"spread over {len(free)} worker(s)")
     stuck = sum(1 for workers in pinned if len(workers) == 1)
     if len(free) == 1 and stuck == sessions:
-        report.add("sessions pinned", False,
-                   "every request went to one worker, with or without a session, so affinity cannot be told apart",
-                   "run several workers (or a router that spreads load, e.g. --router-mode round-robin) and "
-                   "run doctor again")
+        report.add(
+            "sessions pinned",
+            False,
+            "every request went to one worker, with or without a session, so affinity cannot be told apart",
+            "run several workers (or a router that spreads load, e.g. --router-mode round-robin) and "
+            "run doctor again",
+        )
     else:
-        report.add("sessions pinned", stuck == sessions,
-                   f"{stuck} of {sessions} probe sessions stayed on one worker over {requests} requests",
-                   f"start the Dynamo frontend with {AFFINITY_FLAG} 600 (session affinity is off by default); "
-                   f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
-                   "let it through, and hash on it if several frontends sit behind a load balancer")
+        report.add(
+            "sessions pinned",
+            stuck == sessions,
+            f"{stuck} of {sessions} probe sessions stayed on one worker over {requests} requests",
+            f"start the Dynamo frontend with {AFFINITY_FLAG} 600 (session affinity is off by default); "
+            f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
+            "let it through, and hash on it if several frontends sit behind a load balancer",
+        )
     return report
-

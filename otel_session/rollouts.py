@@ -20,11 +20,48 @@ from typing import Any
 from otel_session._trajectory import trajectory
 from otel_session.dynamo._nvext import NVEXT_EXTRA_BODY, cached_tokens_of, ttft_ms_of, worker_id_of
 
-_WORDS = (
-    "session worker router prefix cache token model request response latency stream agent tool user "
-    "reward policy gradient rollout episode trajectory sample batch decode prefill attention layer "
-    "block memory transfer metric export python rust function method value string list file path"
-).split()
+_WORDS = [
+    "session",
+    "worker",
+    "router",
+    "prefix",
+    "cache",
+    "token",
+    "model",
+    "request",
+    "response",
+    "latency",
+    "stream",
+    "agent",
+    "tool",
+    "user",
+    "reward",
+    "policy",
+    "gradient",
+    "rollout",
+    "episode",
+    "trajectory",
+    "sample",
+    "batch",
+    "decode",
+    "prefill",
+    "attention",
+    "layer",
+    "block",
+    "memory",
+    "transfer",
+    "metric",
+    "export",
+    "python",
+    "rust",
+    "function",
+    "method",
+    "value",
+    "string",
+    "list",
+    "file",
+    "path",
+]
 
 
 @dataclass
@@ -74,16 +111,26 @@ class Summary:
     prompts_spread: int
     prompts: int
     hit_rate: float
+    ceiling: float
     mean_ttft_ms: float | None
     p90_ttft_ms: float | None
     mean_switches: float
     errors: int
 
 
-def summarize(results: Sequence[TrajectoryResult]) -> Summary:
-    """Affinity figures over turns 2+ (turn 1 of a new conversation cannot be cached)."""
+def summarize(results: Sequence[TrajectoryResult], block_size: int = 16) -> Summary:
+    """Affinity figures over turns 2+ (turn 1 of a new conversation cannot be cached).
+
+    The ceiling is what a perfect router could serve from cache: each turn's prompt starts with the
+    previous turn's prompt, cached in whole blocks of ``block_size`` tokens.
+    """
     later = [turn for result in results for turn in result.turns[1:]]
     prompt = sum(turn.prompt_tokens for turn in later)
+    reachable = sum(
+        min(now.prompt_tokens, before.prompt_tokens // block_size * block_size)
+        for result in results
+        for before, now in zip(result.turns, result.turns[1:], strict=False)
+    )
     ttfts = sorted(turn.ttft_ms for turn in later if turn.ttft_ms is not None)
     by_prompt: dict[int, set[int | None]] = {}
     for result in results:
@@ -95,6 +142,7 @@ def summarize(results: Sequence[TrajectoryResult]) -> Summary:
         prompts_spread=sum(1 for workers in by_prompt.values() if len(workers) > 1),
         prompts=len(by_prompt),
         hit_rate=sum(turn.cached_tokens for turn in later) / prompt if prompt else 0.0,
+        ceiling=reachable / prompt if prompt else 0.0,
         mean_ttft_ms=statistics.fmean(ttfts) if ttfts else None,
         p90_ttft_ms=ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
         mean_switches=statistics.fmean(r.switches for r in results) if results else 0.0,
@@ -146,7 +194,10 @@ async def run_trajectory(
                     messages.append({"role": "user", "content": _text(turn_rng, workload.turn_words)})
                 began = time.perf_counter()
                 response = await clients[index % len(clients)].chat.completions.create(
-                    model=model, messages=messages, max_tokens=workload.max_tokens, extra_body=NVEXT_EXTRA_BODY
+                    model=model,
+                    messages=messages,
+                    max_tokens=workload.max_tokens,
+                    extra_body=NVEXT_EXTRA_BODY,
                 )
                 usage = response.usage
                 result.turns.append(
@@ -178,7 +229,9 @@ async def run_batch(
     """Run every trajectory of the batch, at most ``concurrency`` at a time, on one event loop."""
     import openai
 
-    clients = [openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=max_retries) for url in base_urls]
+    clients = [
+        openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=max_retries) for url in base_urls
+    ]
     gate = asyncio.Semaphore(concurrency)
 
     async def one(prompt_index: int, sibling_index: int) -> TrajectoryResult:

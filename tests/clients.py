@@ -27,9 +27,11 @@ async def send(kind: str, base_url: str, *, headers: dict[str, str] | None = Non
         async with openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=3) as client:
             await client.chat.completions.create(**body, extra_headers=headers)
     elif kind == "aiohttp":
-        async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/chat/completions", json=body, headers=headers) as response:
-                response.raise_for_status()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/chat/completions", json=body, headers=headers) as response,
+        ):
+            response.raise_for_status()
     else:
         raise ValueError(kind)
 

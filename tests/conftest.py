@@ -9,6 +9,9 @@ import pytest
 import otel_session
 from tests.recorder import Recorder
 
+# The real local Dynamo stack: dynamo_stack, dynamo_stack_no_affinity, local_dynamo_factory.
+pytest_plugins = ["tests.dynamo_fixtures"]
+
 
 @pytest.fixture(autouse=True)
 def _unconfigured() -> Iterator[None]:

@@ -2,7 +2,7 @@
 
 Use from a test module or ``tests/conftest.py``::
 
-    from dynamo_fixtures import dynamo_stack, dynamo_stack_no_affinity, local_dynamo_factory  # noqa: F401
+    def test_x(dynamo_stack): ...   # provided by tests/conftest.py
 
 ``dynamo_stack`` (session scope): 4 workers, round-robin, session affinity on (TTL 300 s, hard).
 ``dynamo_stack_no_affinity`` (session scope): the same with affinity off, Dynamo's default.

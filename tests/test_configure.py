@@ -12,7 +12,9 @@ from otel_session._propagator import SessionPropagator
 from tests.recorder import Recorder
 
 
-def test_environment_is_read_when_arguments_are_missing(monkeypatch: pytest.MonkeyPatch, dynamo: Recorder) -> None:
+def test_environment_is_read_when_arguments_are_missing(
+    monkeypatch: pytest.MonkeyPatch, dynamo: Recorder
+) -> None:
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", f" , {dynamo.authority} ,, other:1 ")
     monkeypatch.setenv("OTEL_SESSION_TRUSTED_HOSTS", "gym-agent:9000")
     settings = otel_session.configure()
@@ -49,7 +51,7 @@ def test_a_malformed_pattern_names_itself_and_changes_nothing(dynamo: Recorder) 
 
 def test_a_malformed_environment_pattern_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "ok-host,bad host")
-    with pytest.raises(ValueError, match="OTEL_SESSION_DYNAMO_HOSTS.*'bad host'"):
+    with pytest.raises(ValueError, match=r"OTEL_SESSION_DYNAMO_HOSTS.*'bad host'"):
         otel_session.configure()
 
 

@@ -16,7 +16,12 @@ pytestmark = pytest.mark.parametrize("kind", CLIENTS)
 
 
 def _is_uuid4(value: str | None) -> bool:
-    return value is not None and len(value) == 36 and str(uuid.UUID(value)) == value and uuid.UUID(value).version == 4
+    return (
+        value is not None
+        and len(value) == 36
+        and str(uuid.UUID(value)) == value
+        and uuid.UUID(value).version == 4
+    )
 
 
 async def test_every_turn_carries_the_attempts_one_id(kind: str, dynamo: Recorder) -> None:
@@ -132,7 +137,7 @@ async def test_concurrent_trajectories_never_see_each_others_id(kind: str, dynam
 
     async def attempt(i: int) -> str:
         async with otel_session.trajectory() as traj:
-            for turn in range(2):
+            for _ in range(2):
                 await send(kind, dynamo.url, headers={"X-Tag": f"{i}"})
                 await asyncio.sleep(0)
             assert otel_session.current_session_id() == traj.session_id

@@ -46,8 +46,27 @@ def test_pattern_matching(pattern: str, destination: tuple[str, str, int | None]
 
 @pytest.mark.parametrize(
     "bad",
-    ["", " ", "*", "*.", "a*.b", "*.*.b", "dyn amo", "dynamo:", "dynamo:0", "dynamo:65536", "dynamo:http",
-     "[::1", "[::1]x", "http://user@dynamo", "ftp://dynamo", "http://", "*.10.0.0.1", "a/b", "-bad-.com"],
+    [
+        "",
+        " ",
+        "*",
+        "*.",
+        "a*.b",
+        "*.*.b",
+        "dyn amo",
+        "dynamo:",
+        "dynamo:0",
+        "dynamo:65536",
+        "dynamo:http",
+        "[::1",
+        "[::1]x",
+        "http://user@dynamo",
+        "ftp://dynamo",
+        "http://",
+        "*.10.0.0.1",
+        "a/b",
+        "-bad-.com",
+    ],
 )
 def test_malformed_patterns_are_value_errors_naming_the_pattern(bad: str) -> None:
     with pytest.raises(ValueError, match="host pattern"):

@@ -96,4 +96,9 @@ def test_env_rules_when_not_configured(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fields_name_everything_it_may_write() -> None:
-    assert SessionPropagator().fields >= {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent"}
+    assert SessionPropagator().fields >= {
+        "x-dynamo-session-id",
+        "x-dynamo-parent-session-id",
+        "baggage",
+        "traceparent",
+    }

@@ -21,7 +21,9 @@ def test_openai_sdk_retries_after_500_and_429_keep_the_id(dynamo: Recorder) -> N
     dynamo.fail_next.extend([500, 429, 503])
     client = openai.OpenAI(base_url=dynamo.url + "/v1", api_key="k", max_retries=3)
     with otel_session.trajectory() as traj:
-        client.with_options(timeout=10).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        client.with_options(timeout=10).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}]
+        )
     tries = [(r.get("x-stainless-retry-count"), r.get(SESSION_HEADER)) for r in dynamo.requests]
     assert tries == [(str(n), traj.session_id) for n in range(4)]
 
@@ -29,9 +31,11 @@ def test_openai_sdk_retries_after_500_and_429_keep_the_id(dynamo: Recorder) -> N
 async def test_async_openai_retries_keep_the_id(dynamo: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     dynamo.fail_next.extend([502, 408])
-    async with openai.AsyncOpenAI(base_url=dynamo.url + "/v1", api_key="k", max_retries=2) as client:
-        async with otel_session.trajectory() as traj:
-            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    async with (
+        openai.AsyncOpenAI(base_url=dynamo.url + "/v1", api_key="k", max_retries=2) as client,
+        otel_session.trajectory() as traj,
+    ):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert [r.get(SESSION_HEADER) for r in dynamo.requests] == [traj.session_id] * 3
 
 
@@ -72,9 +76,8 @@ async def test_aiohttp_retry_loop_keeps_the_id(dynamo: Recorder) -> None:
                     return response.status
         return 0
 
-    async with aiohttp.ClientSession() as session:
-        async with otel_session.trajectory() as traj:
-            assert await post_with_retries(session) == 200
+    async with aiohttp.ClientSession() as session, otel_session.trajectory() as traj:
+        assert await post_with_retries(session) == 200
     assert [r.get(SESSION_HEADER) for r in dynamo.requests] == [traj.session_id] * 3
 
 
@@ -88,7 +91,9 @@ async def test_grpo_group_of_64_concurrent_siblings_has_64_distinct_ids(dynamo: 
         messages = [{"role": "user", "content": "same prompt for every sibling"}]
         for _ in range(3):
             reply = await client.chat.completions.create(
-                model="m", messages=messages, extra_headers={"X-Sibling": str(sibling)}  # type: ignore[arg-type]
+                model="m",
+                messages=messages,
+                extra_headers={"X-Sibling": str(sibling)},  # type: ignore[arg-type]
             )
             messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
             await asyncio.sleep(0)
@@ -100,5 +105,3 @@ async def test_grpo_group_of_64_concurrent_siblings_has_64_distinct_ids(dynamo: 
     assert len(dynamo.requests) == 64 * 3
     for request in dynamo.requests:
         assert request.get(SESSION_HEADER) == ids[int(request.get("X-Sibling") or "-1")]
-
-

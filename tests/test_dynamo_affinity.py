@@ -1,0 +1,153 @@
+"""Against a real Dynamo 1.6.1 (frontend + mocker workers on loopback): the header is worth something.
+
+Requests are driven only through otel-session (no hand-set headers); Dynamo's own ``nvext.worker_id``
+says which worker served each turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import openai
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import otel_session
+from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
+from otel_session.rollouts import Workload, run_batch, summarize
+
+WORKLOAD = Workload(prompts=3, siblings=3, turns=4, prompt_words=600, turn_words=60)  # 9 trajectories: odd
+
+
+def test_every_concurrent_trajectory_stays_on_one_worker_and_siblings_spread(
+    dynamo_stack: LocalDynamo,
+) -> None:
+    otel_session.configure(dynamo_hosts=dynamo_stack.hosts)
+    results = asyncio.run(run_batch(dynamo_stack.base_urls, dynamo_stack.model_name, WORKLOAD, concurrency=9))
+    summary = summarize(results)
+    assert summary.errors == 0, [r.error for r in results]
+    assert [len(r.turns) for r in results] == [4] * 9
+    assert summary.pinned == 9, [r.workers for r in results]
+    assert summary.prompts_spread == 3  # siblings of every prompt went to more than one worker
+    assert len({r.session_id for r in results}) == 9
+
+
+def test_without_otel_session_the_same_trajectories_scatter(dynamo_stack: LocalDynamo) -> None:
+    """The control: same stack, same workload, otel-session not configured."""
+    results = asyncio.run(run_batch(dynamo_stack.base_urls, dynamo_stack.model_name, WORKLOAD, concurrency=9))
+    summary = summarize(results)
+    assert summary.errors == 0
+    assert summary.pinned < 9
+
+
+def test_affinity_off_at_the_frontend_the_header_is_harmless(dynamo_stack_no_affinity: LocalDynamo) -> None:
+    stack = dynamo_stack_no_affinity
+    otel_session.configure(dynamo_hosts=stack.hosts)
+    results = asyncio.run(run_batch(stack.base_urls, stack.model_name, WORKLOAD, concurrency=9))
+    summary = summarize(results)
+    assert summary.errors == 0
+    assert sum(len(r.turns) for r in results) == 36
+    assert summary.pinned < 9  # nothing pins without the frontend flag: routing is unchanged
+
+
+class FlakyProxy:
+    """A server in the middle that answers 500 to the first try of every request, then forwards.
+
+    It forwards the incoming headers as a token wrapper does, so the session it received reaches Dynamo.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.injected = 0
+        self.retry_counts: Counter[str] = Counter()
+        app = Starlette(routes=[Route("/v1/{path:path}", self.handle, methods=["GET", "POST"])])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.client = httpx.AsyncClient(timeout=60)
+
+    async def handle(self, request: Request) -> Response:
+        retry = request.headers.get("x-stainless-retry-count", "0")
+        self.retry_counts[retry] += 1
+        if retry == "0":
+            self.injected += 1
+            return JSONResponse({"error": "injected"}, status_code=500)
+        keep = {k: v for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}}
+        upstream = await self.client.post(
+            f"{self.upstream}/{request.path_params['path']}", content=await request.body(), headers=keep
+        )
+        return Response(upstream.content, upstream.status_code, media_type="application/json")
+
+    def __enter__(self) -> FlakyProxy:
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_openai_retry_after_a_5xx_stays_on_the_trajectorys_worker(dynamo_stack: LocalDynamo) -> None:
+    with FlakyProxy(dynamo_stack.base_url) as proxy:
+        otel_session.configure(dynamo_hosts=[proxy.url, *dynamo_stack.hosts])
+        results = asyncio.run(
+            run_batch([proxy.url + "/v1"], dynamo_stack.model_name, WORKLOAD, concurrency=9)
+        )
+    summary = summarize(results)
+    assert summary.errors == 0, [r.error for r in results]
+    assert proxy.injected == 36 and proxy.retry_counts["1"] == 36  # every turn failed once, then retried
+    assert summary.pinned == 9, [r.workers for r in results]
+
+
+def test_sigterm_of_the_bound_worker_rebinds_the_session_and_the_trajectory_finishes(
+    local_dynamo_factory: Callable[..., LocalDynamo],
+) -> None:
+    stack = local_dynamo_factory(workers=3, affinity_ttl_secs=300)
+    otel_session.configure(dynamo_hosts=stack.hosts)
+    client = openai.OpenAI(base_url=stack.base_url, api_key="k", max_retries=2)
+    messages = [{"role": "user", "content": "a long task " * 50}]
+
+    def turn() -> int:
+        response = client.chat.completions.create(
+            model=stack.model_name,
+            messages=messages,
+            max_tokens=4,
+            extra_body=NVEXT_EXTRA_BODY,  # type: ignore[arg-type]
+        )
+        messages.append({"role": "assistant", "content": response.choices[0].message.content or ""})
+        messages.append({"role": "user", "content": "and then?"})
+        worker = worker_id_of(response)
+        assert worker is not None
+        return worker
+
+    with otel_session.trajectory() as traj:
+        before = [turn() for _ in range(3)]
+        assert len(set(before)) == 1
+        stack.stop_worker(stack.worker_index(before[0]))
+        after = [turn() for _ in range(3)]
+        assert otel_session.current_session_id() == traj.session_id
+    assert len(set(after)) == 1 and after[0] != before[0]  # re-bound once, then pinned again
+    client.close()
+
+
+def test_turns_alternating_between_two_frontend_replicas_stay_on_one_worker(
+    local_dynamo_factory: Callable[..., LocalDynamo],
+) -> None:
+    """Replicas behind a load balancer: Dynamo 1.6.1 frontends share session bindings over the event plane."""
+    stack = local_dynamo_factory(workers=3, frontends=2, affinity_ttl_secs=300)
+    otel_session.configure(dynamo_hosts=stack.hosts)
+    results = asyncio.run(
+        run_batch(stack.base_urls, stack.model_name, WORKLOAD, concurrency=9)
+    )  # turn t -> fe t%2
+    summary = summarize(results)
+    assert summary.errors == 0, [r.error for r in results]
+    assert summary.pinned == 9, [r.workers for r in results]
