@@ -12,12 +12,14 @@ from otel_session._context import current_session_id
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
 from otel_session._propagator import SessionPropagator
 from otel_session._settings import Settings
+from otel_session._tracing import SessionSpanProcessor
 from otel_session._trajectory import trajectory
 
 __all__ = [
     "PARENT_SESSION_HEADER",
     "SESSION_HEADER",
     "SessionPropagator",
+    "SessionSpanProcessor",
     "Settings",
     "bind",
     "configure",

@@ -22,8 +22,8 @@ def report(where: str, exc: BaseException) -> None:
             return
         _reported.add(where)
     logger.warning(
-        "otel-session: %s failed (%s); the request goes on without session headers. "
-        "Further failures here are not logged.",
+        "otel-session: %s failed (%s); the application goes on without it (a request is sent as it "
+        "would be without otel-session). Further failures here are not logged.",
         where,
         type(exc).__name__,
         exc_info=exc,

@@ -1,6 +1,6 @@
 """Optional trace export: otel-session's own SDK provider, exporting over OTLP while tracing is on.
 
-"Off" (the default) means no SDK provider of ours at all, so otel-session's spans are non-recording
+"Off" (the default) means no SDK provider of ours at work, so otel-session's spans are non-recording
 with an invalid context and no ``traceparent`` leaves the process; an SDK with its sampler turned off
 would still send one to every host. If the application installed an SDK provider itself, our spans
 record into that one instead and ``traceparent`` goes only where the propagator allows it.
@@ -9,9 +9,10 @@ OpenTelemetry's global tracer provider can be set once per process, yet ``config
 and ``unconfigure()`` must undo. So otel-session creates one provider per process, at the first
 tracing-on, and makes it the global one only when nobody else has (so the application's own spans join
 the same traces). Turning tracing off and on again swaps the export pipeline behind that provider
-rather than the provider; ``tracer()`` hands out a tracer from it only while tracing is on. The
-resource (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``) is therefore read once, at the first
-tracing-on; the exporter settings (``OTEL_EXPORTER_OTLP_*``) each time tracing turns on.
+rather than the provider. While tracing is off, ``tracer()`` hands out no tracer of it, and the tracers
+handed out before go quiet (see ``_quiet``). The resource (``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``) is therefore read once, at the first tracing-on; the exporter settings
+(``OTEL_EXPORTER_OTLP_*``) each time tracing turns on.
 
 An SDK provider the application installed is left alone: we do not add our ``SessionSpanProcessor``
 to it, because a processor cannot be removed again (``unconfigure()`` could not undo it) and it would
@@ -195,6 +196,7 @@ def _start() -> None:
             trace.set_tracer_provider(_provider)
         _owns_global = trace.get_tracer_provider() is _provider
     _outlet.connect(exporter)
+    _quiet(_provider, False)
     _instrumented[:] = _instrument_clients(_provider)
     _tracer = _provider.get_tracer(_TRACER_NAME)
     if not _exit_hook_registered:
@@ -211,8 +213,31 @@ def _stop() -> None:
         except Exception as exc:
             _faults.report("removing the client instrumentation", exc)
     _instrumented.clear()
+    if _provider is not None:
+        _quiet(_provider, True)
     if _outlet is not None:
         _outlet.shutdown()
+
+
+def _quiet(tracer_provider: TracerProvider, quiet: bool) -> None:
+    """Make every tracer of ours, including those already handed out, start no valid span while off.
+
+    Tracers outlive ``off``: an aiohttp session created while tracing was on keeps the instrumentation's
+    tracer, and the application keeps tracers from the global provider when that is ours. Quiet, they
+    hand out non-recording spans that carry only their parent's context, so no new ``traceparent``
+    appears. This uses the SDK's experimental tracer configurator (SDK 1.45); where that is missing,
+    those tracers keep recording into the outlet, which drops everything.
+    """
+    try:
+        from opentelemetry.sdk.trace import _default_tracer_configurator, _disable_tracer_configurator
+    except ImportError:
+        return
+    try:
+        tracer_provider._set_tracer_configurator(
+            tracer_configurator=_disable_tracer_configurator if quiet else _default_tracer_configurator
+        )
+    except Exception as exc:
+        _faults.report("switching otel-session's tracers on or off", exc)
 
 
 def _at_exit() -> None:

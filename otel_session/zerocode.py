@@ -1,0 +1,55 @@
+"""Zero-code setup: ``opentelemetry-instrument python rollout.py`` with otel-session's rules.
+
+The upstream distro and configurator would install an SDK provider, which sends ``traceparent`` to
+every host even with nothing exported. This distro instead runs ``otel_session.configure()`` from the
+``OTEL_SESSION_*`` variables: the destination-aware propagator and the lean client hooks, and the SDK
+with OTLP export only when ``OTEL_SESSION_TRACING`` is true. The configurator installs nothing else.
+
+``OTEL_PROPAGATORS`` cannot be used for this: the global propagator is built when
+``opentelemetry.propagate`` is first imported, before any distro runs, hence ``configure()``.
+
+With ``opentelemetry-distro`` installed too, ``opentelemetry-instrument`` takes whichever distro it
+finds first: set ``OTEL_PYTHON_DISTRO=otel_session`` to choose this one (it then picks this
+configurator too, unless ``OTEL_PYTHON_CONFIGURATOR`` names another).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr-defined]
+from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_CONFIGURATOR
+from opentelemetry.util._importlib_metadata import EntryPoint
+
+from otel_session import _config, _settings
+
+ENTRY_POINT_NAME = "otel_session"
+# Instrumentors otel-session runs itself: with tracing off its lean hooks do the propagation (theirs
+# would only add cost), with tracing on configure() has already instrumented them with its provider.
+CLIENT_INSTRUMENTORS = frozenset({"httpx", "httpx2", "aiohttp-client"})
+
+
+class SessionDistro(BaseDistro):  # type: ignore[misc]
+    """Configures otel-session, then loads every instrumentor except the HTTP-client ones it runs."""
+
+    def _configure(self, **kwargs: Any) -> None:
+        # The configurator runs after this; without a name the first one installed would win.
+        os.environ.setdefault(OTEL_PYTHON_CONFIGURATOR, ENTRY_POINT_NAME)
+        _config.configure()
+
+    def load_instrumentor(self, entry_point: EntryPoint, **kwargs: Any) -> None:
+        if entry_point.name in CLIENT_INSTRUMENTORS:
+            return
+        super().load_instrumentor(entry_point, **kwargs)
+
+
+class SessionConfigurator:
+    """The configurator that keeps tracing off unless asked: no SDK provider, nothing exported.
+
+    After ``SessionDistro`` it has nothing left to do; with another distro it configures otel-session.
+    """
+
+    def configure(self, **kwargs: Any) -> None:
+        if _settings.active() is None:
+            _config.configure()

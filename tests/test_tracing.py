@@ -1,0 +1,432 @@
+"""Trace export over OTLP, end to end: real loopback servers, real OTLP receivers, real protobuf.
+
+What is global for a process (the tracer provider once set, process exit) is tested in subprocesses,
+so these tests hold whatever other test modules did to this process's OpenTelemetry globals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import httpx
+import openai
+import pytest
+from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
+from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor, HTTPXClientInstrumentor
+
+import otel_session
+from otel_session import _settings, _tracing
+from tests.otlp_receiver import HeaderServer, OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan
+
+Receiver = OtlpHttpReceiver | OtlpGrpcReceiver
+PROTOCOLS: dict[str, type[Receiver]] = {"http/protobuf": OtlpHttpReceiver, "grpc": OtlpGrpcReceiver}
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in list(os.environ):
+        if name.startswith(("OTEL_EXPORTER_OTLP_", "OTEL_BSP_", "OTEL_SESSION_", "OTEL_TRACES_SAMPLER")):
+            monkeypatch.delenv(name)
+    yield
+    otel_session.unconfigure()
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[HeaderServer, HeaderServer, HeaderServer]]:
+    """(Dynamo, trusted host, any other host), all on 127.0.0.1 with their own ports."""
+    found = (HeaderServer(), HeaderServer(), HeaderServer())
+    yield found
+    for server in found:
+        server.close()
+
+
+@pytest.fixture(params=sorted(PROTOCOLS))
+def protocol(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def receiver(protocol: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
+    found = PROTOCOLS[protocol]()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", found.endpoint)
+    yield found
+    found.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _flush() -> None:
+    provider = _tracing.provider()
+    assert provider is not None
+    assert provider.force_flush(5000)
+
+
+def _url(span: ReceivedSpan) -> str:
+    return str(span.attributes.get("url.full") or span.attributes.get("http.url"))
+
+
+def _span_id_of(traceparent: str | None) -> str:
+    assert traceparent is not None
+    return traceparent.split("-")[2]
+
+
+async def test_trajectory_and_client_spans_reach_the_collector(
+    receiver: Receiver, servers: tuple[HeaderServer, HeaderServer, HeaderServer]
+) -> None:
+    dynamo, trusted, other = servers
+    dynamo.fail_first = 1  # openai's first try gets a 503 and is retried: two spans, one session
+    otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[trusted.authority], tracing=True)
+    provider = _tracing.provider()
+    assert provider is not None
+
+    async with otel_session.trajectory(
+        prompt_index=4, sibling_index=2, attempt=1, attributes={"rollout.step": 7}
+    ) as traj:
+        llm = openai.AsyncOpenAI(base_url=f"{dynamo.url}/v1", api_key="unused", max_retries=2)
+        await llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        async with httpx.AsyncClient() as client:
+            await client.get(f"{trusted.url}/httpx")
+        with httpx.Client() as sync_client:
+            sync_client.get(f"{other.url}/httpx")
+        async with aiohttp.ClientSession() as http:
+            for url in (f"{dynamo.url}/aiohttp", f"{other.url}/aiohttp"):
+                async with http.get(url) as response:
+                    await response.read()
+        with provider.get_tracer("app").start_as_current_span("app.step"):
+            pass
+    with httpx.Client() as sync_client:
+        sync_client.get(f"{other.url}/outside")
+    _flush()
+
+    spans = receiver.wait_for(lambda found: len(found) >= 9)
+    assert len(spans) == 9, [(span.name, _url(span)) for span in spans]
+    (root,) = [span for span in spans if span.name == "trajectory"]
+    session = traj.session_id
+    assert session is not None
+    assert root.parent_span_id == ""
+    assert root.scope == "otel_session"
+    assert root.attributes["session.id"] == session
+    assert root.attributes["gen_ai.conversation.id"] == session
+    assert root.attributes["otel_session.prompt_index"] == 4
+    assert root.attributes["otel_session.sibling_index"] == 2
+    assert root.attributes["otel_session.attempt"] == 1
+    assert root.attributes["rollout.step"] == 7
+    assert root.resource["service.name"] == provider.resource.attributes["service.name"]
+    assert {span.resource["service.name"] for span in spans} == {root.resource["service.name"]}
+
+    inside = [span for span in spans if span is not root and "/outside" not in _url(span)]
+    assert len(inside) == 7
+    for span in inside:
+        assert span.trace_id == root.trace_id
+        assert span.parent_span_id == root.span_id
+        assert span.attributes["session.id"] == session, span.name
+    (outside,) = [span for span in spans if "/outside" in _url(span)]
+    assert outside.trace_id != root.trace_id
+    assert "session.id" not in outside.attributes
+
+    llm_spans = [span for span in inside if _url(span).endswith("/v1/chat/completions")]
+    assert len(llm_spans) == 2  # the 503 and its retry
+    assert {span.scope for span in llm_spans} == {"opentelemetry.instrumentation.httpx"}
+    aiohttp_spans = [span for span in inside if span.scope == "opentelemetry.instrumentation.aiohttp_client"]
+    assert len(aiohttp_spans) == 2
+    (app_span,) = [span for span in inside if span.name == "app.step"]
+    assert app_span.scope == "app"
+
+    # Dynamo: the session on every request, and a traceparent naming the client span that sent it.
+    assert dynamo.headers("x-dynamo-session-id") == [session] * 3
+    assert dynamo.headers("x-stainless-retry-count")[:2] == ["0", "1"]
+    client_span_ids = {span.span_id for span in inside}
+    for traceparent in dynamo.headers("traceparent"):
+        assert traceparent is not None and traceparent.split("-")[1] == root.trace_id
+        assert _span_id_of(traceparent) in client_span_ids
+    sent_by_llm = {_span_id_of(tp) for tp in dynamo.headers("traceparent")[:2]}
+    assert sent_by_llm == {span.span_id for span in llm_spans}
+    # Trusted host: traceparent and baggage, no session header.
+    assert _span_id_of(trusted.headers("traceparent")[0]) in client_span_ids
+    assert f"session.id={session}" in str(trusted.headers("baggage")[0])
+    assert trusted.headers("x-dynamo-session-id") == [None]
+    # Any other host: none of it.
+    for name in ("traceparent", "baggage", "x-dynamo-session-id", "tracestate"):
+        assert other.headers(name) == [None, None, None], name
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_collector_down_adds_no_latency_and_shutdown_is_bounded(
+    protocol: str, servers: tuple[HeaderServer, HeaderServer, HeaderServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dynamo = servers[0]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")  # export (and fail) while requests run
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "16")
+
+    def rollout(endpoint: str) -> tuple[list[float], float]:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+        latencies = []
+        with httpx.Client() as client:
+            for _ in range(150):
+                with otel_session.trajectory():
+                    began = time.perf_counter()
+                    response = client.get(f"{dynamo.url}/step")
+                    latencies.append(time.perf_counter() - began)
+                    assert response.status_code == 200
+        began = time.perf_counter()
+        otel_session.unconfigure()
+        return latencies[10:], time.perf_counter() - began
+
+    collector = PROTOCOLS[protocol]()
+    try:
+        up, _ = rollout(collector.endpoint)
+        assert len(collector.wait_for(lambda found: len(found) >= 300, timeout=5)) >= 300
+    finally:
+        collector.close()
+    down, shutdown_seconds = rollout(f"http://127.0.0.1:{_closed_port()}")
+
+    assert len(dynamo.seen) == 300
+    assert shutdown_seconds < 5.0
+    assert statistics.median(down) <= statistics.median(up) * 1.5 + 0.002, (
+        statistics.median(down),
+        statistics.median(up),
+    )
+    assert max(down) < 1.0  # no request ever waited for an export
+
+
+def _run(tmp_path: Path, source: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(source))
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+ROLLOUT_THEN_EXIT = """
+    import sys, httpx, otel_session
+    otel_session.configure(dynamo_hosts=[sys.argv[1]], tracing=True)
+    with httpx.Client() as client:
+        for _ in range(120):
+            with otel_session.trajectory():
+                assert client.get(f"http://{sys.argv[1]}/step").status_code == 200
+    print("rollout done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_process_exit_with_collector_down_is_bounded(
+    protocol: str, servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    dynamo = servers[0]
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(ROLLOUT_THEN_EXIT))
+    env = {
+        **{name: value for name, value in os.environ.items() if not name.startswith("OTEL_")},
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "16",  # 15 batches queued at exit, none deliverable
+    }
+    process = subprocess.Popen(
+        [sys.executable, str(script), dynamo.authority],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "rollout done"
+    began = time.perf_counter()
+    _, stderr = process.communicate(timeout=30)
+    exit_seconds = time.perf_counter() - began
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert exit_seconds < 5.0
+    assert len(dynamo.seen) == 120
+
+
+OFF_SCRIPT = """
+    import json, sys, httpx, otel_session
+    from opentelemetry import trace
+    dynamo, trusted, other = sys.argv[1:4]
+    report = {}
+
+    def round(name):
+        with otel_session.trajectory() as traj, httpx.Client() as client:
+            for host in (dynamo, trusted, other):
+                client.get(f"http://{host}/{name}")
+        report[name] = {
+            "session": traj.session_id,
+            "recording": traj.span.is_recording(),
+            "valid": traj.span.get_span_context().is_valid,
+            "provider": type(trace.get_tracer_provider()).__name__,
+        }
+
+    otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted])
+    round("off")
+    otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted], tracing=True)
+    otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted], tracing=False)
+    round("off-again")
+    report["app-span-valid"] = trace.get_tracer("app").start_span("app").get_span_context().is_valid
+    otel_session.unconfigure()
+    print(json.dumps(report))
+"""
+
+
+def test_tracing_off_installs_no_sdk_and_sends_no_traceparent(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    dynamo, trusted, other = servers
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    result = _run(tmp_path, OFF_SCRIPT, env, dynamo.authority, trusted.authority, other.authority)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["off"]["provider"] == "ProxyTracerProvider"
+    # After on -> off the global provider is our idle SDK one, and trajectories still get no valid span.
+    assert report["off-again"]["provider"] == "TracerProvider"
+    assert report["app-span-valid"] is False  # the application's tracer on it has gone quiet too
+    for name in ("off", "off-again"):
+        assert report[name]["recording"] is False and report[name]["valid"] is False
+    sessions = [report["off"]["session"], report["off-again"]["session"]]
+    for server in servers:
+        assert server.headers("traceparent") == [None, None]
+    assert dynamo.headers("x-dynamo-session-id") == sessions
+    for session, baggage in zip(sessions, trusted.headers("baggage"), strict=True):
+        assert f"session.id={session}" in str(baggage)
+    for name in ("baggage", "x-dynamo-session-id"):
+        assert other.headers(name) == [None, None]
+
+
+APP_PROVIDER_SCRIPT = """
+    import json, sys, httpx, otel_session
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    dynamo, trusted, other = sys.argv[1:4]
+    otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted])
+    with otel_session.trajectory(attempt=2) as traj, httpx.Client() as client:
+        for host in (dynamo, trusted, other):
+            client.get(f"http://{host}/app")
+    print(json.dumps({
+        "session": traj.session_id,
+        "trace_id": format(traj.span.get_span_context().trace_id, "032x"),
+        "span_id": format(traj.span.get_span_context().span_id, "016x"),
+        "flags": format(traj.span.get_span_context().trace_flags, "02x"),
+        "spans": [{"name": s.name, "attributes": dict(s.attributes)} for s in exporter.get_finished_spans()],
+    }))
+"""
+
+
+def test_application_provider_records_our_spans_with_tracing_off(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    dynamo, trusted, other = servers
+    result = _run(tmp_path, APP_PROVIDER_SCRIPT, {}, dynamo.authority, trusted.authority, other.authority)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    (span,) = report["spans"]  # ours only: with tracing off the clients are not instrumented
+    assert span["name"] == "trajectory"
+    assert span["attributes"]["session.id"] == report["session"]
+    assert span["attributes"]["otel_session.attempt"] == 2
+    expected = f"00-{report['trace_id']}-{report['span_id']}-{report['flags']}"
+    assert dynamo.headers("traceparent") == [expected]
+    assert trusted.headers("traceparent") == [expected]
+    assert other.headers("traceparent") == [None]
+
+
+def test_missing_sdk_is_a_clear_import_error_and_changes_nothing(tmp_path: Path) -> None:
+    source = """
+        import sys
+        sys.modules["opentelemetry.sdk"] = None  # as if the [tracing] extra were not installed
+        import otel_session
+        from otel_session import _settings
+        try:
+            otel_session.configure(dynamo_hosts=["dynamo:8000"], tracing=True)
+        except ImportError as exc:
+            print(exc)
+        print(_settings.active())
+        otel_session.configure(dynamo_hosts=["dynamo:8000"])
+        print(_settings.active().tracing)
+    """
+    result = _run(tmp_path, source, {})
+    assert result.returncode == 0, result.stderr
+    error, active, tracing = result.stdout.strip().splitlines()
+    assert "pip install 'otel-session[tracing]'" in error
+    assert active == "None"
+    assert tracing == "False"
+
+
+def test_missing_exporter_or_bad_protocol_keeps_the_previous_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = otel_session.configure(dynamo_hosts=["dynamo:8000"])
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(ImportError, match=r"pip install 'otel-session\[tracing\]'"):
+        otel_session.configure(dynamo_hosts=["other:8000"], tracing=True)
+    assert _settings.active() is before
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
+        otel_session.configure(dynamo_hosts=["other:8000"], tracing=True)
+    assert _settings.active() is before
+    assert not HTTPXClientInstrumentor().is_instrumented_by_opentelemetry
+
+
+async def test_off_uninstruments_and_on_again_exports_to_the_new_endpoint(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dynamo = servers[0]
+    first, second = OtlpHttpReceiver(), OtlpHttpReceiver()
+    instrumentors = (HTTPXClientInstrumentor(), HTTPX2ClientInstrumentor(), AioHttpClientInstrumentor())
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", first.endpoint)
+        otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+        assert all(instrumentor.is_instrumented_by_opentelemetry for instrumentor in instrumentors)
+        lingering = aiohttp.ClientSession()  # keeps the instrumentation's tracer after tracing is off
+        with otel_session.trajectory(), httpx.Client() as client:
+            client.get(f"{dynamo.url}/on")
+        otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=False)
+        assert not any(instrumentor.is_instrumented_by_opentelemetry for instrumentor in instrumentors)
+        assert len(first.spans()) == 2  # shutdown flushed the trajectory and its client span
+        with otel_session.trajectory() as idle, httpx.Client() as client:
+            client.get(f"{dynamo.url}/off")
+        assert not idle.span.is_recording()
+        async with lingering, lingering.get(f"{dynamo.url}/off-aiohttp") as response:
+            await response.read()
+
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", second.endpoint)
+        otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+        with otel_session.trajectory() as traj, httpx.Client() as client:
+            client.get(f"{dynamo.url}/on-again")
+        otel_session.unconfigure()
+        spans = second.spans()
+        assert sorted(span.name for span in spans) == ["GET", "trajectory"]
+        assert {span.attributes["session.id"] for span in spans} == {traj.session_id}
+        assert len(first.spans()) == 2
+        assert [path for path, _ in dynamo.seen] == ["/on", "/off", "/off-aiohttp", "/on-again"]
+        assert [tp is not None for tp in dynamo.headers("traceparent")] == [True, False, False, True]
+    finally:
+        first.close()
+        second.close()
