@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import idna
+
 NOTHING = 0
 DYNAMO = 1
 TRUSTED = 2
@@ -31,9 +33,11 @@ def _normalize_name(name: str) -> str | None:
     if not name:
         return None
     if not name.isascii():
+        # IDNA 2008 (UTS 46, non-transitional), as httpx and yarl resolve names: Python's own "idna"
+        # codec is IDNA 2003, which maps "straße" to "strasse", a different host.
         try:
-            name = name.encode("idna").decode("ascii")
-        except UnicodeError:
+            name = idna.encode(name, uts46=True).decode("ascii")
+        except (idna.IDNAError, UnicodeError, ValueError):
             return None
     if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
         return None
@@ -127,7 +131,10 @@ class HostPattern:
         if parts.scheme.lower() not in _DEFAULT_PORTS or not parts.hostname:
             raise ValueError(f"host pattern {pattern!r}: expected an http(s) URL with a host")
         if port is None:
-            return cls.parse(parts.netloc)
+            try:
+                return cls.parse(parts.netloc)
+            except ValueError as exc:
+                raise ValueError(f"host pattern {pattern!r}: {exc}") from None
         host = normalize_host(parts.hostname)
         if host is None or port == 0:
             raise ValueError(f"host pattern {pattern!r}: {parts.netloc!r} is not a valid host and port")

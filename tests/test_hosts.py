@@ -35,6 +35,9 @@ CASES = [
     ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", 9000), True),  # a URL without a port
     ("https://dynamo", ("https", "dynamo", None), True),
     ("b\u00fccher.example", ("http", "xn--bcher-kva.example", None), True),
+    ("stra\u00dfe.example", ("http", "xn--strae-oqa.example", None), True),  # IDNA 2008, as clients
+    ("stra\u00dfe.example", ("http", "strasse.example", None), False),  # IDNA 2003 would say True
+    ("strasse.example", ("http", "stra\u00dfe.example", None), False),
 ]
 
 
