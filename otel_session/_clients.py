@@ -16,13 +16,21 @@ from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import context as otel_context
-from opentelemetry.context import get_current
+from opentelemetry import trace
+from opentelemetry.context import Context, get_current
 from opentelemetry.propagators.textmap import Setter
 
 from otel_session import _faults, _settings
 from otel_session._context import DESTINATION_KEY, session_ids
-from otel_session._hosts import NOTHING
-from otel_session._propagator import inject_ids
+from otel_session._hosts import _DEFAULT_PORTS, NOTHING
+from otel_session._propagator import (
+    _carrier_get,
+    _is_case_insensitive,
+    add_header,
+    inject_headers,
+    inject_ids,
+    remove_header,
+)
 
 _ORIGINAL = "__otel_session_original__"
 
@@ -36,34 +44,60 @@ class _Undo(Setter[Any]):
         self.changes: list[tuple[str, Any]] = []
 
     def set(self, carrier: Any, key: str, value: str) -> None:
-        # ``in`` before ``get``: the header is normally absent, and a miss through httpx's ``get``
-        # raises and catches a KeyError (this runs on every request).
-        self.changes.append((key, carrier.get(key) if key in carrier else None))
+        if add_header(carrier, key, value):  # the usual case: absent before, in one pass
+            self.changes.append((key, None))
+            return
+        # The cheapest exact ``carrier.get(key)`` for a header mapping: this runs on every request.
+        previous = _carrier_get(carrier, key) if _is_case_insensitive(carrier) else carrier.get(key)
+        self.changes.append((key, previous))
         carrier[key] = value
 
     def restore(self, headers: Any) -> None:
         for key, previous in reversed(self.changes):
             if previous is None:
-                try:  # noqa: SIM105 - ``pop(key, None)`` minus its second lookup; suppress() costs more
-                    del headers[key]
-                except KeyError:
-                    pass
+                remove_header(headers, key)
             else:
                 headers[key] = previous
 
 
+# What the hooks read from the current context, for the last context seen. A ``Context`` is immutable,
+# so the same object always gives the same answer, and one trajectory's requests share one until
+# something attaches another: the usual request skips reading baggage, validating the IDs and
+# finding the span. One entry, whatever the number of sessions; swapped whole, so thread-safe.
+_last_context: tuple[object, str | None, str | None, bool] = (None, None, None, False)
+
+
+def _context_facts(ctx: Context) -> tuple[str | None, str | None, bool]:
+    """(session, parent, whether the current span is valid) in ``ctx``."""
+    global _last_context
+    session, parent = session_ids(ctx)
+    span_valid = trace.get_current_span(ctx).get_span_context().is_valid
+    _last_context = (ctx, session, parent, span_valid)
+    return session, parent, span_valid
+
+
 def _begin(headers: Any, scheme: str, host: str | None, port: int | None) -> tuple[_Undo, object] | None:
     """Add what this destination may receive; ``None`` when there is nothing to do or undo."""
-    settings = _settings.active()
+    settings = _settings._active  # not active(): a call less on every request
     if settings is None:
         return None
     ctx = get_current()
-    kind = settings.rules.classify_url(scheme, host, port)
-    session, parent = session_ids(ctx)  # read once here rather than again inside inject_for
+    rules = settings.rules
+    # ``rules.classify_url`` inlined for the usual cache hit: a request's whole cost here is counted.
+    port_or_default = port if port is not None else _DEFAULT_PORTS.get(scheme.lower())
+    kind = rules._cache.get((host, port_or_default)) if host else NOTHING
+    if kind is None:
+        kind = rules.classify_url(scheme, host, port)
+    last = _last_context
+    if last[0] is ctx:
+        _, session, parent, span_valid = last
+    else:
+        session, parent, span_valid = _context_facts(ctx)
     if kind == NOTHING and not settings.tracing and session is None:
         return None
     undo = _Undo()
-    inject_ids(kind, headers, ctx, undo, session, parent)
+    if span_valid or not inject_headers(kind, headers, undo.changes, session, parent):
+        inject_ids(kind, headers, ctx, undo, session, parent)
     token = None
     if settings.tracing:
         # The upstream instrumentation injects later through the global propagator: tell it where.
@@ -93,19 +127,29 @@ def _safe_end(headers: Any, plan: tuple[_Undo, object]) -> None:
         _faults.report("restoring request headers", exc)
 
 
+# The httpx wrappers inline ``_safe_begin`` / ``_safe_end``: a call less on every request.
+
+
 def _httpx_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _send_single_request(self: Any, request: Any) -> Any:
         url = request.url
         headers = request.headers
-        plan = _safe_begin(headers, url.scheme, url.host, url.port)
+        try:
+            plan = _begin(headers, url.scheme, url.host, url.port)
+        except Exception as exc:  # a bug of ours must not fail the request
+            _faults.report("adding session headers to a request", exc)
+            plan = None
         if plan is None:
             return original(self, request)
         try:
             return original(self, request)
         finally:
             request.headers = headers  # an upstream instrumentation may have swapped in a copy
-            _safe_end(headers, plan)
+            try:
+                _end(headers, plan)
+            except Exception as exc:
+                _faults.report("restoring request headers", exc)
 
     return _send_single_request
 
@@ -115,14 +159,21 @@ def _httpx_async(original: Callable[..., Any]) -> Callable[..., Any]:
     async def _send_single_request(self: Any, request: Any) -> Any:
         url = request.url
         headers = request.headers
-        plan = _safe_begin(headers, url.scheme, url.host, url.port)
+        try:
+            plan = _begin(headers, url.scheme, url.host, url.port)
+        except Exception as exc:
+            _faults.report("adding session headers to a request", exc)
+            plan = None
         if plan is None:
             return await original(self, request)
         try:
             return await original(self, request)
         finally:
             request.headers = headers
-            _safe_end(headers, plan)
+            try:
+                _end(headers, plan)
+            except Exception as exc:
+                _faults.report("restoring request headers", exc)
 
     return _send_single_request
 

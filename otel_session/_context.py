@@ -9,7 +9,7 @@ from __future__ import annotations
 from opentelemetry import baggage
 from opentelemetry.context import Context, create_key
 
-from otel_session._ids import is_valid_session_id
+from otel_session._ids import _VISIBLE_ASCII
 
 SESSION_KEY = "session.id"
 PARENT_KEY = "session.parent_id"
@@ -25,10 +25,13 @@ def session_ids(context: Context | None = None) -> tuple[str | None, str | None]
     if not values:
         return None, None
     session = values.get(SESSION_KEY)
-    parent = values.get(PARENT_KEY)
-    if not is_valid_session_id(session):
+    # ``is_valid_session_id`` spelled out: this runs on every request of a configured process.
+    if not isinstance(session, str) or _VISIBLE_ASCII.fullmatch(session) is None:
         return None, None
-    return session, parent if is_valid_session_id(parent) else None  # type: ignore[return-value]
+    parent = values.get(PARENT_KEY)
+    if parent is not None and (not isinstance(parent, str) or _VISIBLE_ASCII.fullmatch(parent) is None):
+        parent = None
+    return session, parent
 
 
 def current_session_id() -> str | None:

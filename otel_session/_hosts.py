@@ -164,7 +164,9 @@ class HostRules:
     """The configured Dynamo and trusted hosts, answering "what may this destination receive?".
 
     Answers are cached per (host, port) because a rollout sends thousands of requests to a handful of
-    hosts; the cache is bounded so a crawler-like workload cannot grow it without limit.
+    hosts; the cache is bounded so a crawler-like workload cannot grow it without limit. The client
+    hooks look a request up in ``_cache`` themselves (``_clients._begin``), so its key must stay
+    ``(host as the client reports it, port with the scheme's default filled in)``.
     """
 
     __slots__ = ("_cache", "dynamo", "trusted")

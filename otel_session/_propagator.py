@@ -47,8 +47,15 @@ def _spellings(name: str) -> tuple[str, ...]:
     return (name, name.title(), _CANONICAL.get(name, name))
 
 
-# Header mappings that match names case-insensitively: one lookup answers for every spelling, and
-# this runs on every request, where each lookup in an httpx ``Headers`` costs about a microsecond.
+# What a carrier is, decided once per type, because the lookups below run on every request and each
+# public lookup in an httpx ``Headers`` costs about a microsecond:
+# - a plain mapping (a dict): try the usual spellings of a name;
+# - a case-insensitive header mapping (multidict's): one lookup answers for every spelling;
+# - httpx's or httpx2's ``Headers``, which keep ``_list``, (raw name, lower-case name, value) byte
+#   triples, and whose every public lookup or delete first works out ``encoding`` by decoding every
+#   header. For a type whose instances are checked once to behave exactly so, a miss (the usual case)
+#   is answered from ``_list`` and our own header is deleted from it; a hit reads the public way.
+_PLAIN, _CASE_INSENSITIVE, _ENTRIES = 0, 1, 2
 _CASE_INSENSITIVE_TYPES = frozenset(
     {
         ("httpx", "Headers"),
@@ -57,24 +64,100 @@ _CASE_INSENSITIVE_TYPES = frozenset(
         ("multidict", "CIMultiDictProxy"),
     }
 )
-_case_insensitive: dict[type, bool] = {}
+_carrier_kinds: dict[type, int] = {}
+_entry_names: dict[str, bytes | None] = {
+    name: name.lower().encode("ascii")
+    for name in (SESSION_HEADER, PARENT_SESSION_HEADER, _SESSION, _PARENT, "baggage", "traceparent")
+}
+
+
+def _layout_holds(kind: type) -> bool:
+    try:
+        probe = kind([("X-Probe", "1"), ("Other", "2"), ("x-PROBE", "3")])
+        expected = [(b"X-Probe", b"x-probe", b"1"), (b"Other", b"other", b"2")]
+        if probe._list != [*expected, (b"x-PROBE", b"x-probe", b"3")]:
+            return False
+        del probe["X-PROBE"]
+        probe["New"] = "4"
+        return bool(probe._list == [*expected[1:], (b"New", b"new", b"4")] and probe.get("other") == "2")
+    except Exception:
+        return False
+
+
+def _carrier_kind(carrier: Any) -> int:
+    kind = type(carrier)
+    found = _carrier_kinds.get(kind)
+    if found is None:
+        found = _PLAIN
+        if (kind.__module__.partition(".")[0], kind.__qualname__) in _CASE_INSENSITIVE_TYPES:
+            found = _ENTRIES if kind.__qualname__ == "Headers" and _layout_holds(kind) else _CASE_INSENSITIVE
+        if len(_carrier_kinds) < 64:  # carrier types are few; bounded all the same
+            _carrier_kinds[kind] = found
+    return found
 
 
 def _is_case_insensitive(carrier: Any) -> bool:
     """Whether ``carrier`` is one of the known case-insensitive header types (exact type, by name)."""
-    kind = type(carrier)
-    known = _case_insensitive.get(kind)
-    if known is None:
-        known = (kind.__module__.partition(".")[0], kind.__qualname__) in _CASE_INSENSITIVE_TYPES
-        if len(_case_insensitive) < 64:  # carrier types are few; bounded all the same
-            _case_insensitive[kind] = known
-    return known
+    return _carrier_kind(carrier) != _PLAIN
+
+
+def _entry_name(name: str) -> bytes | None:
+    """``name`` as ``_list`` stores it for matching; ``None`` if not ASCII (left to the public way)."""
+    lower = _entry_names.get(name)
+    if lower is None and name not in _entry_names:
+        lower = name.lower().encode("ascii") if name.isascii() else None
+        if len(_entry_names) < 64:
+            _entry_names[name] = lower
+    return lower
+
+
+def add_header(carrier: Any, name: str, value: str) -> bool:
+    """``carrier[name] = value`` if ``name`` is absent, for ``Headers`` of the known layout only.
+
+    False (nothing done) for any other carrier, a present name, or a non-ASCII name or value: the
+    caller then goes the public way. ASCII encodes alike in every encoding httpx would pick.
+    """
+    if _carrier_kinds.get(type(carrier)) != _ENTRIES or not value.isascii():
+        return False
+    lower_name = _entry_names.get(name) or _entry_name(name)
+    if lower_name is None:
+        return False
+    entries = carrier._list
+    for entry in entries:
+        if entry[1] == lower_name:
+            return False
+    entries.append((name.encode("ascii"), lower_name, value.encode("ascii")))
+    return True
+
+
+def remove_header(carrier: Any, name: str) -> None:
+    """``carrier.pop(name, None)`` for a header mapping, without its decoding where that is known."""
+    if _carrier_kinds.get(type(carrier)) == _ENTRIES:
+        lower_name = _entry_names.get(name) or _entry_name(name)
+        if lower_name is not None:
+            entries = carrier._list
+            entries[:] = [entry for entry in entries if entry[1] != lower_name]
+            return
+    try:  # noqa: SIM105 - ``pop(key, None)`` minus its second lookup; suppress() costs more
+        del carrier[name]
+    except KeyError:
+        pass
 
 
 def _carrier_get(carrier: Any, name: str) -> Any:
     """Read a header from a header mapping (httpx, multidict) or a plain dict, ignoring case."""
-    if _is_case_insensitive(carrier):
-        # ``in`` first: a miss (the usual case) through httpx's ``get`` raises and catches KeyError.
+    how = _carrier_kinds.get(type(carrier))
+    if how is None:
+        how = _carrier_kind(carrier)
+    if how == _ENTRIES:
+        lower_name = _entry_names.get(name) or _entry_name(name)
+        if lower_name is not None:
+            for entry in carrier._list:
+                if entry[1] == lower_name:
+                    return carrier.get(name)
+            return None
+    if how != _PLAIN:
+        # ``in`` first: a miss through httpx's ``get`` raises and catches KeyError.
         return carrier.get(name) if name in carrier else None
     get = getattr(carrier, "get", None)
     if not callable(get):
@@ -89,8 +172,8 @@ def _carrier_get(carrier: Any, name: str) -> Any:
 def _carrier_pop_if(carrier: Any, name: str, values: set[str]) -> None:
     """Remove header ``name`` only where its value is one of ``values``: one that we put there."""
     if _is_case_insensitive(carrier):
-        if name in carrier and carrier.get(name) in values:
-            del carrier[name]
+        if _carrier_get(carrier, name) in values:
+            remove_header(carrier, name)
         return
     if not isinstance(carrier, MutableMapping):
         return
@@ -158,6 +241,54 @@ class SessionPropagator(TextMapPropagator):
     @property
     def fields(self) -> set[str]:
         return {_SESSION, _PARENT, "baggage", *_tracecontext.fields}
+
+
+_SESSION_ENTRY = (SESSION_HEADER.encode("ascii"), _SESSION.encode("ascii"))
+_PARENT_ENTRY = (PARENT_SESSION_HEADER.encode("ascii"), _PARENT.encode("ascii"))
+
+
+def inject_headers(
+    kind: int, headers: Any, added: list[tuple[str, Any]], session: str | None, parent: str | None
+) -> bool:
+    """``inject_ids`` for the commonest request, in one pass; ``False`` (nothing done) for any other.
+
+    Only for a context whose current span is not valid (the caller knows). It handles the header
+    mapping of httpx / httpx2 (``Headers`` of the known layout) or aiohttp (``CIMultiDict``) going to
+    a Dynamo or unconfigured host (not a trusted one) without a ``baggage`` header, which is every
+    request of a tracing-off rollout, and does exactly what ``inject_ids`` with the hooks' undo
+    setter would: add the absent session headers and note ``(name, None)`` in ``added`` for each.
+    Anything else returns ``False`` before touching ``headers``, for ``inject_ids`` to handle.
+    """
+    how = _carrier_kinds.get(type(headers))
+    if kind & TRUSTED or not how:  # a plain mapping, or a type not seen yet
+        return False
+    if session is None:
+        return True  # no session and no span: inject_ids would neither add nor take anything
+    if how == _ENTRIES:
+        entries = headers._list
+        present = {entry[1] for entry in entries}
+        has_session, has_parent = _SESSION_ENTRY[1] in present, _PARENT_ENTRY[1] in present
+        has_baggage = b"baggage" in present
+    else:  # a case-insensitive mapping: ``in`` answers for every spelling
+        has_session, has_parent, has_baggage = _SESSION in headers, _PARENT in headers, "baggage" in headers
+    if has_baggage:
+        return False  # ours may be in it, to take back
+    if not kind & DYNAMO:
+        # Not for Dynamo: only a session header someone copied here would need taking back.
+        return not has_session and (parent is None or not has_parent)
+    if not has_session:
+        if how == _ENTRIES:  # session IDs are visible ASCII: encoded alike in any encoding
+            entries.append((*_SESSION_ENTRY, session.encode("ascii")))
+        else:
+            headers[SESSION_HEADER] = session
+        added.append((SESSION_HEADER, None))
+        if parent is not None and not has_parent:
+            if how == _ENTRIES:
+                entries.append((*_PARENT_ENTRY, parent.encode("ascii")))
+            else:
+                headers[PARENT_SESSION_HEADER] = parent
+            added.append((PARENT_SESSION_HEADER, None))
+    return True
 
 
 def inject_for(kind: int, carrier: Any, context: Context, setter: Setter[Any] = default_setter) -> None:

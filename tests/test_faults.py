@@ -1,0 +1,211 @@
+"""A bug inside otel-session never fails the user's request, and is logged once, not per request.
+
+Each test forces a failure at one place in the propagation code (a host-rules lookup, the header
+restore after a hop, the propagator inside the upstream instrumentation, extraction in a server),
+sends many real requests over loopback through every client, and checks that every one of them
+succeeded, that the place was reported exactly once, and that requests carry the session again once
+the fault is gone. The two ``xfail`` tests at the end pin down what a partial failure still gets
+wrong (see their reasons).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry import propagate
+from opentelemetry.context import Context
+from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import otel_session
+from otel_session import SESSION_HEADER, _clients, _faults, _propagator, servers
+from otel_session._hosts import HostRules
+from otel_session._propagator import SessionPropagator
+from tests.clients import CLIENTS, send
+from tests.gym_servers import AsgiServer
+from tests.recorder import Recorder, wait_until
+
+REQUESTS = 12
+
+
+class Boom(RuntimeError):
+    """The forced failure: distinguishable from anything the clients could raise themselves."""
+
+
+def _boom(*args: Any, **kwargs: Any) -> Any:
+    raise Boom("forced failure inside otel-session")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fault_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test sees the fault log of a fresh process: nothing reported yet."""
+    monkeypatch.setattr(_faults, "_reported", set())
+    yield
+
+
+def _reports(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "otel_session" and "failed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_failing_host_rules_fail_no_request_and_are_logged_once(
+    kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(HostRules, "classify", _boom)
+    monkeypatch.setattr(HostRules, "classify_url", _boom)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+    with otel_session.trajectory() as traj:
+        for _ in range(REQUESTS):
+            await send(kind, dynamo.url)  # raises if any request failed
+        assert len(dynamo.requests) == REQUESTS
+        [report] = _reports(caplog)
+        assert report.exc_info is not None and report.exc_info[0] is Boom
+        assert all(seen.get(SESSION_HEADER) is None for seen in dynamo.requests)  # it went without us
+
+        monkeypatch.undo()  # the fault is gone: the very next request carries the session again
+        await send(kind, dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+    assert len(_reports(caplog)) == 1
+
+
+@pytest.mark.parametrize("kind", ["httpx", "httpx-async", "openai", "openai-async"])
+async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
+    kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The restore runs after the response arrived: the user still gets it, with the session sent."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(_clients._Undo, "restore", _boom)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+    with otel_session.trajectory() as traj:
+        for _ in range(REQUESTS):
+            await send(kind, dynamo.url)
+    assert [seen.get(SESSION_HEADER) for seen in dynamo.requests] == [traj.session_id] * REQUESTS
+    [report] = _reports(caplog)
+    assert "restoring request headers" in report.getMessage()
+
+
+async def test_a_failing_propagator_under_the_upstream_instrumentation_fails_nothing(
+    dynamo: Recorder, other: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The instrumentor injects through the global propagator (ours): its failure stays contained."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(SessionPropagator, "destination_kind", _boom)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+    client = httpx.AsyncClient()
+    HTTPXClientInstrumentor.instrument_client(client)
+    try:
+        with otel_session.trajectory() as traj:
+            for _ in range(REQUESTS):
+                (await client.get(f"{dynamo.url}/v1/models")).raise_for_status()
+                (await client.get(f"{other.url}/v1/models")).raise_for_status()
+    finally:
+        HTTPXClientInstrumentor.uninstrument_client(client)
+        await client.aclose()
+    [report] = _reports(caplog)
+    assert "injecting session headers" in report.getMessage()
+    # The lean hooks do not go through the propagator: delivery is unaffected.
+    assert [seen.get(SESSION_HEADER) for seen in dynamo.requests] == [traj.session_id] * REQUESTS
+    assert all(seen.get(SESSION_HEADER) is None for seen in other.requests)
+
+
+def test_a_failing_extraction_returns_the_context_and_is_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"])
+    monkeypatch.setattr(_propagator, "extract_session", _boom)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+    start = Context()
+    for index in range(REQUESTS):
+        assert propagate.extract({"x-dynamo-session-id": f"s-{index}"}, context=start) is start
+    [report] = _reports(caplog)
+    assert "extracting an incoming session" in report.getMessage()
+
+
+async def test_a_failing_extraction_in_a_server_fails_no_request(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SessionMiddleware on uvicorn: the app still runs, without the caller's session."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(servers, "extract_session", _boom)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+
+    async def forward(request: Request) -> JSONResponse:
+        async with httpx.AsyncClient() as client:
+            (await client.get(f"{dynamo.url}/v1/models")).raise_for_status()
+        return JSONResponse({"session": otel_session.current_session_id()})
+
+    app = servers.SessionMiddleware(Starlette(routes=[Route("/forward", forward)]))
+    with AsgiServer(app) as middle:
+        async with httpx.AsyncClient() as client:
+            for index in range(REQUESTS):
+                response = await client.get(f"{middle.url}/forward", headers={SESSION_HEADER: f"s-{index}"})
+                assert response.status_code == 200 and response.json() == {"session": None}
+    await wait_until(lambda: len(dynamo.requests) == REQUESTS)
+    assert all(seen.get(SESSION_HEADER) is None for seen in dynamo.requests)
+    [report] = _reports(caplog)
+    assert "extracting an incoming session" in report.getMessage()
+
+
+async def test_each_failing_place_is_logged_once_whatever_the_volume(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two broken places, hundreds of requests through them: two warnings in all."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(HostRules, "classify_url", _boom)
+    monkeypatch.setattr(_propagator, "extract_session", _boom)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+    async with httpx.AsyncClient() as client:
+        with otel_session.trajectory():
+            for index in range(200):
+                propagate.extract({"x-dynamo-session-id": f"s-{index}"})
+                (await client.get(f"{dynamo.url}/v1/models")).raise_for_status()
+    assert len(dynamo.requests) == 200
+    assert sorted(r.getMessage().split(" failed")[0] for r in _reports(caplog)) == [
+        "otel-session: adding session headers to a request",
+        "otel-session: extracting an incoming session",
+    ]
+
+
+# ---- what a partial failure still gets wrong ------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_begin has no undo for a failure after it added headers: the caller's Request keeps them",
+)
+def test_a_failure_midway_leaves_the_callers_request_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo that is also trusted: the session header is added, then baggage injection fails."""
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["dynamo.internal:8000"])
+    monkeypatch.setattr(_propagator._baggage, "inject", _boom)
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200))) as client:
+        request = client.build_request("GET", "http://dynamo.internal:8000/v1/models")
+        with otel_session.trajectory():
+            client.send(request).raise_for_status()
+    assert SESSION_HEADER not in request.headers
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="when removing our header fails, nothing else removes it: a redirect carries it onward",
+)
+async def test_a_failing_header_removal_does_not_leak_the_session_to_a_redirect_target(
+    dynamo: Recorder, other: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    dynamo.redirect_to = other.url
+    monkeypatch.setattr(_propagator, "remove_header", _boom)
+    monkeypatch.setattr(_clients, "remove_header", _boom)
+    async with httpx.AsyncClient(follow_redirects=True) as client:
+        with otel_session.trajectory() as traj:
+            (await client.get(f"{dynamo.url}/r/v1/models")).raise_for_status()
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+    assert len(other.requests) == 1
+    assert other.requests[0].get(SESSION_HEADER) is None
