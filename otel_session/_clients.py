@@ -54,10 +54,15 @@ class _Undo(Setter[Any]):
 
     def restore(self, headers: Any) -> None:
         for key, previous in reversed(self.changes):
-            if previous is None:
-                remove_header(headers, key)
-            else:
+            if previous is not None:
                 headers[key] = previous
+                continue
+            try:
+                remove_header(headers, key)
+            except Exception as exc:
+                # Taking our header back is what keeps it off a redirect: fall back to the public way.
+                _faults.report("removing a header the fast way", exc)
+                headers.pop(key, None)
 
 
 # What the hooks read from the current context, for the last context seen. A ``Context`` is immutable,
@@ -96,8 +101,12 @@ def _begin(headers: Any, scheme: str, host: str | None, port: int | None) -> tup
     if kind == NOTHING and not settings.tracing and session is None:
         return None
     undo = _Undo()
-    if span_valid or not inject_headers(kind, headers, undo.changes, session, parent):
-        inject_ids(kind, headers, ctx, undo, session, parent)
+    try:
+        if span_valid or not inject_headers(kind, headers, undo.changes, session, parent):
+            inject_ids(kind, headers, ctx, undo, session, parent)
+    except BaseException:
+        undo.restore(headers)  # a failure halfway must not leave half our headers on the request
+        raise
     token = None
     if settings.tracing:
         # The upstream instrumentation injects later through the global propagator: tell it where.

@@ -61,7 +61,7 @@ def normalize_host(host: str) -> str | None:
 
 
 def _parse_port(text: str, pattern: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
         raise ValueError(f"host pattern {pattern!r}: {text!r} is not a port number (1-65535)")
     return int(text)
 
@@ -232,6 +232,7 @@ def split_authority(authority: str) -> tuple[str | None, int | None]:
         host, rest = authority, ""
     if not rest:
         return host, None
-    if rest[0] != ":" or not rest[1:].isdigit() or not 0 < int(rest[1:]) < 65536:
+    digits = rest[1:]
+    if rest[0] != ":" or not (digits.isascii() and digits.isdigit()) or not 0 < int(digits) < 65536:
         return None, None
-    return host, int(rest[1:])
+    return host, int(digits)

@@ -327,7 +327,7 @@ def inject_ids(
 
 
 def _first_valid(getter: Getter[Any], carrier: Any, name: str) -> str | None:
-    for key in (name, name.title()):
+    for key in _spellings(name):
         values = getter.get(carrier, key)
         if values:
             value = values[0].strip() if isinstance(values[0], str) else None

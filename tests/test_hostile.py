@@ -795,9 +795,6 @@ def test_a_url_patterns_error_names_the_url() -> None:
     assert _named(caught.value, "http://dynamo.internal:"), str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="ports are read with str.isdigit and int(), which take non-ASCII digits"
-)
 def test_a_port_is_ascii_digits() -> None:
     """ "¹" passes ``isdigit`` and then fails ``int()`` unnamed (and, in a Host header, inside the
     propagator); "٨٠٠٠" reads as 8000, so that Host header counts as Dynamo's."""

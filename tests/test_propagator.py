@@ -82,6 +82,8 @@ def test_extract_prefers_the_dynamo_header_and_drops_invalid_values() -> None:
     assert baggage.get_baggage("session.id", ctx) == "ok"
     ctx = propagator.extract({"baggage": "session.id=" + "x" * 300})
     assert baggage.get_baggage("session.id", ctx) is None
+    ctx = propagator.extract({"X-Dynamo-Session-ID": "canonical-spelling"})
+    assert baggage.get_baggage("session.id", ctx) == "canonical-spelling"
     ctx = propagator.extract({"baggage": "k=" + "v" * 9000})
     assert baggage.get_all(ctx) == {}
 
