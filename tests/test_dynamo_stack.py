@@ -6,7 +6,6 @@ These tests exercise the stack, not the library, so they set ``X-Dynamo-Session-
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -27,6 +26,7 @@ from otel_session.dynamo import (
     ttft_ms_of,
     worker_id_of,
 )
+from otel_session.dynamo._broker import _group_members
 from otel_session.dynamo._model import REQUIRED_FILES, ensure_model_dir
 from tests.dynamo_fixtures import make_dynamo_fixture
 
@@ -55,19 +55,6 @@ def _ask(dyn: LocalDynamo, session: str | None, base_url: str | None = None) -> 
     worker_id = worker_id_of(resp)
     assert worker_id is not None
     return dyn.worker_index(worker_id)
-
-
-def _pgroup_members(pgid: int) -> list[int]:
-    members: list[int] = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
 
 
 def _alive(pid: int) -> bool:
@@ -158,11 +145,11 @@ def test_stop_leaves_nothing_behind(stack: LocalDynamo) -> None:
     assert stack.broker is not None and stack.run_dir is not None
     pids, pgid, run_dir, port = stack.pids, stack.broker.pid, stack.run_dir, stack.port
     running = [p.pid for p in [stack.broker, *stack.workers, *stack.frontends] if p.running()]
-    assert sorted(_pgroup_members(pgid)) == sorted(running)  # the group holds exactly our processes
+    assert sorted(_group_members(pgid)) == sorted(running)  # the group holds exactly our processes
     stack.stop()
     assert not run_dir.exists()
     assert not any(_alive(p) for p in pids)
-    assert _pgroup_members(pgid) == []
+    assert _group_members(pgid) == []
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         pass
     stack.stop()  # idempotent
