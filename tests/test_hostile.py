@@ -24,6 +24,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import threading
@@ -64,8 +65,11 @@ from otel_session._propagator import (
 from otel_session.servers import SessionMiddleware
 from tests.recorder import Recorder, wait_until
 
+# CI draws the same 10,000 cases per target on every run, so a landing never hinges on the draw;
+# local runs explore new ones each time.
 MANY = settings(
     max_examples=10_000,
+    derandomize=os.environ.get("CI") == "true",
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
