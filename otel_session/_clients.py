@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -129,14 +129,7 @@ def _safe_begin(headers: Any, scheme: str, host: str | None, port: int | None) -
         return None
 
 
-def _safe_end(headers: Any, plan: tuple[_Undo, object]) -> None:
-    try:
-        _end(headers, plan)
-    except Exception as exc:
-        _faults.report("restoring request headers", exc)
-
-
-# The httpx wrappers inline ``_safe_begin`` / ``_safe_end``: a call less on every request.
+# The httpx wrappers inline ``_safe_begin`` and guard ``_end`` the same way: a call less per request.
 
 
 def _httpx_sync(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -213,14 +206,22 @@ _TARGETS: tuple[tuple[str, str, str, Callable[[Callable[..., Any]], Callable[...
 )
 
 
-def install() -> list[str]:
-    """Patch every installed client (idempotent); returns what was patched, e.g. ``httpx.Client``."""
-    patched = []
+def _installed_targets() -> Iterator[
+    tuple[str, type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]
+]:
+    """(name, class, method, wrapper factory) for each target whose client library is installed."""
     for module_name, class_name, method, factory in _TARGETS:
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             continue
+        yield f"{module_name}.{class_name}", cls, method, factory
+
+
+def install() -> list[str]:
+    """Patch every installed client (idempotent); returns what was patched, e.g. ``httpx.Client``."""
+    patched = []
+    for name, cls, method, factory in _installed_targets():
         current = cls.__dict__.get(method)
         if current is None:
             continue
@@ -228,18 +229,13 @@ def install() -> list[str]:
             wrapper = factory(current)
             setattr(wrapper, _ORIGINAL, current)
             setattr(cls, method, wrapper)
-        patched.append(f"{module_name}.{class_name}")
+        patched.append(name)
     return patched
 
 
 def uninstall() -> None:
     """Put every patched method back."""
-    for module_name, class_name, method, _ in _TARGETS:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue
-        current = cls.__dict__.get(method)
-        original = getattr(current, _ORIGINAL, None)
+    for _, cls, method, _ in _installed_targets():
+        original = getattr(cls.__dict__.get(method), _ORIGINAL, None)
         if original is not None:
             setattr(cls, method, original)

@@ -9,73 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
-import uvicorn
 from aiohttp import web
+
+from tests.loopback import AsgiServer, Served, bind_loopback
+
+__all__ = ["AiohttpServer", "AsgiServer", "ServerProcess"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _bind(host: str = "127.0.0.1") -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
-
-
-class _Served:
-    host = "127.0.0.1"
-    port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def authority(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-class AsgiServer(_Served):
-    """An ASGI app on uvicorn in a background thread."""
-
-    def __init__(self, app: Any, *, lifespan: str = "off") -> None:
-        self.app = app
-        self.lifespan = lifespan
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> AsgiServer:
-        sock = _bind(self.host)
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, log_level="warning", lifespan=self.lifespan, access_log=False, backlog=2048
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._server is not None and self._thread is not None
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-
-
-class AiohttpServer(_Served):
+class AiohttpServer(Served):
     """An aiohttp ``web.Application`` on its own event loop in a background thread."""
 
     def __init__(self, app: web.Application) -> None:
@@ -85,7 +35,7 @@ class AiohttpServer(_Served):
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     def __enter__(self) -> AiohttpServer:
-        sock = _bind(self.host)
+        sock = bind_loopback(self.host)
         self.port = sock.getsockname()[1]
         self._thread.start()
 
@@ -103,7 +53,7 @@ class AiohttpServer(_Served):
         self._loop.close()
 
 
-class ServerProcess(_Served):
+class ServerProcess(Served):
     """``python -m tests.gym_apps KIND`` serving on a socket bound here at construction; stopped by PID.
 
     The port is known before any process starts, so servers that must name each other (as trusted
@@ -112,7 +62,7 @@ class ServerProcess(_Served):
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self._sock = _bind(self.host)
+        self._sock = bind_loopback(self.host)
         self.port = self._sock.getsockname()[1]
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
+
+from tests.loopback import AsgiServer, Served
 
 
 @dataclass
@@ -42,7 +41,7 @@ class Seen:
 
 
 @dataclass
-class Recorder:
+class Recorder(Served):
     """A recording server; ``url`` is its base URL, ``requests`` what it saw."""
 
     host: str = "127.0.0.1"
@@ -50,16 +49,7 @@ class Recorder:
     requests: list[Seen] = field(default_factory=list)
     fail_next: deque[int] = field(default_factory=deque)
     redirect_to: str | None = None
-    _server: uvicorn.Server | None = None
-    _thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def authority(self) -> str:
-        return f"{self.host}:{self.port}"
+    _served: AsgiServer | None = None
 
     def clear(self) -> None:
         self.requests.clear()
@@ -83,25 +73,13 @@ class Recorder:
 
     def start(self) -> Recorder:
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "PUT"])])
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("recorder did not start")
-            time.sleep(0.01)
+        self._served = AsgiServer(app, host=self.host, port=self.port).__enter__()
+        self.port = self._served.port
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._served is not None:
+            self._served.__exit__()
 
     def __enter__(self) -> Recorder:
         return self.start()

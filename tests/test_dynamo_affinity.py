@@ -7,13 +7,11 @@ says which worker served each turn.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import Counter
 from collections.abc import Callable
 
 import httpx
 import openai
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,6 +20,7 @@ from starlette.routing import Route
 import otel_session
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
 from otel_session.rollouts import Workload, run_batch, summarize
+from tests.loopback import AsgiServer
 
 WORKLOAD = Workload(prompts=3, siblings=3, turns=4, prompt_words=600, turn_words=60)  # 9 trajectories: odd
 
@@ -68,7 +67,7 @@ class FlakyProxy:
         self.injected = 0
         self.retry_counts: Counter[str] = Counter()
         app = Starlette(routes=[Route("/v1/{path:path}", self.handle, methods=["GET", "POST"])])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.served = AsgiServer(app)
         self.client = httpx.AsyncClient(timeout=60)
 
     async def handle(self, request: Request) -> Response:
@@ -84,16 +83,11 @@ class FlakyProxy:
         return Response(upstream.content, upstream.status_code, media_type="application/json")
 
     def __enter__(self) -> FlakyProxy:
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            threading.Event().wait(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+        self.url = self.served.__enter__().url
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.served.__exit__()
 
 
 def test_openai_retry_after_a_5xx_stays_on_the_trajectorys_worker(dynamo_stack: LocalDynamo) -> None:

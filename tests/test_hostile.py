@@ -27,8 +27,6 @@ import logging
 import os
 import re
 import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +34,6 @@ import aiohttp
 import httpx
 import httpx2
 import pytest
-import uvicorn
 import yarl
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -63,6 +60,7 @@ from otel_session._propagator import (
     inject_ids,
 )
 from otel_session.servers import SessionMiddleware
+from tests.loopback import AsgiServer
 from tests.recorder import Recorder, wait_until
 
 # CI draws the same 10,000 cases per target on every run, so a landing never hinges on the draw;
@@ -882,20 +880,8 @@ def _valid_forward(label: str) -> str | None:
 
 @contextlib.contextmanager
 def _serve(app: Any) -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with AsgiServer(app, log_level="critical") as server:  # hostile requests make uvicorn complain
+        yield server.port
 
 
 def _raw_request(port: int, extra: bytes) -> tuple[int, bytes]:

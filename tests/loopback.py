@@ -1,0 +1,76 @@
+"""Serving a test's own app on loopback: an ASGI app on uvicorn in a background thread.
+
+The server runs on its own thread and event loop, so a request it handles starts from an empty
+context, as it would in a separate server process.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+
+def bind_loopback(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A socket bound (not listening) on a loopback address; port 0 picks a free one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class Served:
+    """Where a server listens; ``port`` is known once it is bound."""
+
+    host = "127.0.0.1"
+    port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def authority(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class AsgiServer(Served):
+    """An ASGI app on uvicorn in a background thread, for ``with AsgiServer(app) as server:``."""
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lifespan: str = "off",
+        log_level: str = "warning",
+    ) -> None:
+        self.app, self.host, self.port = app, host, port
+        self.lifespan, self.log_level = lifespan, log_level
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> AsgiServer:
+        sock = bind_loopback(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, log_level=self.log_level, lifespan=self.lifespan, access_log=False, backlog=2048
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
