@@ -9,7 +9,8 @@ most 5% of a loopback request" budget.
 Every request gets the same OpenAI-style chat completion, so the openai SDK can talk to it too.
 With ``record=True`` it remembers, per request, the path and every session-related header, and
 hands the list back on ``GET /__records`` (then forgets it), which is how the scale benchmark
-checks each request against the trajectory that sent it.
+checks each request against the trajectory that sent it. Requests under ``/__check`` are recorded
+either way, so a timed run can check a few requests without paying for recording all of them.
 
 Run as a script it prints one line, ``READY <port> <port> ...``, and serves until stdin closes.
 """
@@ -29,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 RECORDED = ("x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent")
+CHECK_PATH = "/__check"  # requests under this path are recorded even when ``record`` is off
 
-_COMPLETION = json.dumps(
+COMPLETION = json.dumps(
     {
         "id": "chatcmpl-bench",
         "object": "chat.completion",
@@ -55,7 +57,7 @@ def http_response(body: bytes, content_type: bytes = b"application/json") -> byt
     )
 
 
-COMPLETION_RESPONSE = http_response(_COMPLETION)
+COMPLETION_RESPONSE = http_response(COMPLETION)
 
 
 def split_request(buffer: bytes) -> tuple[bytes, bytes, bytes] | None:
@@ -113,7 +115,7 @@ class _Server:
         if path == "/__records":
             records, self.records = self.records, []
             return http_response(json.dumps(records).encode())
-        if self.record:
+        if self.record or path.startswith(CHECK_PATH):
             seen: dict[str, Any] = {"path": path}
             for line in lines[1:]:
                 name, _, value = line.partition(":")

@@ -11,6 +11,7 @@ from otel_session._config import configure, unconfigure
 from otel_session._context import current_session_id
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
 from otel_session._propagator import SessionPropagator
+from otel_session._runtime_hosts import add_dynamo_hosts
 from otel_session._settings import Settings
 from otel_session._tracing import SessionSpanProcessor
 from otel_session._trajectory import trajectory
@@ -21,6 +22,7 @@ __all__ = [
     "SessionPropagator",
     "SessionSpanProcessor",
     "Settings",
+    "add_dynamo_hosts",
     "bind",
     "configure",
     "current_session_id",

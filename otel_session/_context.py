@@ -9,14 +9,18 @@ from __future__ import annotations
 from opentelemetry import baggage
 from opentelemetry.context import Context, create_key
 
-from otel_session._ids import _VISIBLE_ASCII
+from otel_session._ids import is_valid_session_id
 
 SESSION_KEY = "session.id"
 PARENT_KEY = "session.parent_id"
 
-# Set by the client hooks around a request so the propagator knows the exact destination even when
-# its carrier (a header copy without a port, or a plain dict) cannot tell.
-DESTINATION_KEY = create_key("otel_session.destination")
+# Set by the client instrumentors for the length of one hop: ``Hop`` (the destination's route and the
+# headers they added), so a propagator called inside the hop by an upstream instrumentation knows
+# exactly where the request goes. Without it a destination is unknown and receives nothing.
+HOP_KEY = create_key("otel_session.hop")
+# Set by ``trajectory()`` when sessions are ended: a set the client instrumentors add
+# ``(profile name, scheme, host, port)`` to for every router they delivered the session to.
+ROUTER_VISITS_KEY = create_key("otel_session.router_visits")
 
 
 def session_ids(context: Context | None = None) -> tuple[str | None, str | None]:
@@ -25,13 +29,10 @@ def session_ids(context: Context | None = None) -> tuple[str | None, str | None]
     if not values:
         return None, None
     session = values.get(SESSION_KEY)
-    # ``is_valid_session_id`` spelled out: this runs on every request of a configured process.
-    if not isinstance(session, str) or _VISIBLE_ASCII.fullmatch(session) is None:
+    if not is_valid_session_id(session):
         return None, None
     parent = values.get(PARENT_KEY)
-    if parent is not None and (not isinstance(parent, str) or _VISIBLE_ASCII.fullmatch(parent) is None):
-        parent = None
-    return session, parent
+    return session, parent if is_valid_session_id(parent) else None  # type: ignore[return-value]
 
 
 def current_session_id() -> str | None:

@@ -1,9 +1,13 @@
-"""Host patterns and the classification of a request's destination.
+"""Host patterns and the classification of a request's destination into a ``Route``.
 
-Every decision about what a request may carry is made here, from the destination alone, so that the
-rule "Dynamo hosts get the session header, trusted hosts get baggage, every other host gets nothing"
-has exactly one implementation. Matching errs towards sending nothing: a destination that cannot be
-parsed, or whose port is unknown where a pattern names one, matches no pattern.
+A destination is the connection's scheme, host and port, as the client is about to dial them, never
+a header the caller can set. It is classified once into a ``Route``: which router profile sits there
+(if any) and whether it is trusted with baggage. Matching errs towards sending nothing: a destination
+that cannot be parsed, or whose scheme or port differs from what a pattern names, matches nothing.
+
+A URL pattern (``https://dynamo.internal/v1``) means that scheme, host and port (the scheme's default
+port when none is written), so a plain-``http`` downgrade never matches it. A pattern without a
+scheme (``dynamo.internal``, ``dynamo.internal:8000``) matches any scheme, on any port or the one named.
 """
 
 from __future__ import annotations
@@ -16,11 +20,10 @@ from urllib.parse import urlsplit
 
 import idna
 
-NOTHING = 0
-DYNAMO = 1
-TRUSTED = 2
+from otel_session._routers import Profile
 
-_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_SCHEME_FAMILY = {"http": "http", "https": "https", "ws": "http", "wss": "https"}
 _LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 _CACHE_LIMIT = 4096
 
@@ -73,6 +76,7 @@ class HostPattern:
     host: str
     port: int | None = None
     wildcard: bool = False
+    scheme: str | None = None  # "http" or "https" for a URL pattern (ws/wss count as http/https)
 
     @classmethod
     def parse(cls, pattern: str) -> HostPattern:
@@ -128,21 +132,27 @@ class HostPattern:
             raise ValueError(f"host pattern {pattern!r}: not a valid URL ({exc})") from None
         if parts.username is not None or parts.password is not None:
             raise ValueError(f"host pattern {pattern!r}: a URL pattern must not contain user information")
-        if parts.scheme.lower() not in _DEFAULT_PORTS or not parts.hostname:
+        scheme = _SCHEME_FAMILY.get(parts.scheme.lower())
+        if scheme is None or not parts.hostname:
             raise ValueError(f"host pattern {pattern!r}: expected an http(s) URL with a host")
-        if port is None:
-            try:
-                return cls.parse(parts.netloc)
-            except ValueError as exc:
-                raise ValueError(f"host pattern {pattern!r}: {exc}") from None
-        host = normalize_host(parts.hostname)
-        if host is None or port == 0:
+        try:
+            bare = cls.parse(parts.netloc)
+        except ValueError as exc:
+            raise ValueError(f"host pattern {pattern!r}: {exc}") from None
+        if port == 0:
             raise ValueError(f"host pattern {pattern!r}: {parts.netloc!r} is not a valid host and port")
-        return cls(host, port)
+        return cls(bare.host, bare.port or _DEFAULT_PORTS[scheme], bare.wildcard, scheme)
 
-    def matches(self, host: str, port: int | None) -> bool:
-        """Whether a normalized destination matches; an unknown port never matches a pattern's port."""
+    @property
+    def specificity(self) -> int:
+        """Higher for narrower patterns: where two profiles' patterns match one host, the narrower wins."""
+        return (0 if self.wildcard else 4) + (2 if self.port is not None else 0) + (1 if self.scheme else 0)
+
+    def matches(self, scheme: str | None, host: str, port: int | None) -> bool:
+        """Whether a normalized destination matches; an unknown port or scheme never matches one named."""
         if self.port is not None and port != self.port:
+            return False
+        if self.scheme is not None and scheme != self.scheme:
             return False
         if self.wildcard:
             return host.endswith("." + self.host)
@@ -160,79 +170,68 @@ def parse_patterns(patterns: Iterable[str] | str | None) -> tuple[HostPattern, .
     return tuple(HostPattern.parse(item) for item in items)
 
 
-class HostRules:
-    """The configured Dynamo and trusted hosts, answering "what may this destination receive?".
+@dataclass(frozen=True)
+class Route:
+    """What one destination may receive: its router profile's headers, and baggage if trusted."""
 
-    Answers are cached per (host, port) because a rollout sends thousands of requests to a handful of
-    hosts; the cache is bounded so a crawler-like workload cannot grow it without limit. The client
-    hooks look a request up in ``_cache`` themselves (``_clients._begin``), so its key must stay
-    ``(host as the client reports it, port with the scheme's default filled in)``.
-    """
-
-    __slots__ = ("_cache", "dynamo", "trusted")
-
-    def __init__(self, dynamo: Iterable[HostPattern] = (), trusted: Iterable[HostPattern] = ()) -> None:
-        self.dynamo = tuple(dynamo)
-        self.trusted = tuple(trusted)
-        self._cache: dict[tuple[str, int | None], int] = {}
-
-    def classify(self, host: str | None, port: int | None) -> int:
-        """``DYNAMO | TRUSTED`` flags for a destination as a client reports it (raw host, port)."""
-        if not host:
-            return NOTHING
-        key = (host, port)
-        kind = self._cache.get(key)
-        if kind is None:
-            kind = self._classify(host, port)
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[key] = kind
-        return kind
-
-    def _classify(self, host: str, port: int | None) -> int:
-        normal = normalize_host(host)
-        if normal is None:
-            return NOTHING
-        kind = NOTHING
-        if any(p.matches(normal, port) for p in self.dynamo):
-            kind |= DYNAMO
-        if any(p.matches(normal, port) for p in self.trusted):
-            kind |= TRUSTED
-        return kind
-
-    def classify_url(self, scheme: str, host: str | None, port: int | None) -> int:
-        """Classify a URL's parts, filling in the scheme's default port when none is written."""
-        if port is None:
-            port = _DEFAULT_PORTS.get(scheme.lower())
-        return self.classify(host, port)
-
-    def classify_authority(self, authority: str | None) -> int:
-        """Classify a ``Host`` header value; without a port the scheme, hence the port, is unknown."""
-        if not authority:
-            return NOTHING
-        host, port = split_authority(authority)
-        return self.classify(host, port) if host else NOTHING
+    profile: Profile | None = None
+    trusted: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.dynamo or self.trusted)
+        return self.profile is not None or self.trusted
 
 
-def split_authority(authority: str) -> tuple[str | None, int | None]:
-    """Split ``host[:port]`` / ``[v6][:port]``; ``(None, None)`` when it cannot be read."""
-    authority = authority.strip()
-    if authority.startswith("["):
-        end = authority.find("]")
-        if end < 0:
-            return None, None
-        host, rest = authority[1:end], authority[end + 1 :]
-    elif authority.count(":") == 1:
-        host, _, port_text = authority.partition(":")
-        rest = ":" + port_text
-    else:
-        host, rest = authority, ""
-    if not rest:
-        return host, None
-    digits = rest[1:]
-    if rest[0] != ":" or not (digits.isascii() and digits.isdigit()) or not 0 < int(digits) < 65536:
-        return None, None
-    return host, int(digits)
+NOWHERE = Route()
+
+
+class HostRules:
+    """The configured routers and trusted hosts, answering "what may this destination receive?".
+
+    Answers are cached per (scheme, host, port) because a rollout sends thousands of requests to a
+    handful of hosts; the cache is bounded so a crawler-like workload cannot grow it without limit.
+    A host matched by two profiles' patterns gets the narrower pattern's profile (exact host before
+    wildcard, a named port or scheme before none), and between equals the first configured: a
+    destination only ever receives one profile's headers.
+    """
+
+    __slots__ = ("_cache", "routes", "trusted")
+
+    def __init__(
+        self, routes: Iterable[tuple[Profile, HostPattern]] = (), trusted: Iterable[HostPattern] = ()
+    ) -> None:
+        ordered = list(routes)
+        self.routes = tuple(sorted(ordered, key=lambda item: -item[1].specificity))
+        self.trusted = tuple(trusted)
+        self._cache: dict[tuple[str, str | None, int | None], Route] = {}
+
+    @property
+    def profiles(self) -> tuple[Profile, ...]:
+        """The profiles configured, each once, in configuration order."""
+        return tuple(dict.fromkeys(profile for profile, _ in self.routes))
+
+    def route(self, scheme: str, host: str | None, port: int | None) -> Route:
+        """The route for a destination as a client dials it (scheme, raw host, port or ``None``)."""
+        if not host:
+            return NOWHERE
+        key = (scheme, host, port)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._route(scheme, host, port)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = found
+        return found
+
+    def _route(self, scheme: str, host: str, port: int | None) -> Route:
+        normal = normalize_host(host)
+        if normal is None:
+            return NOWHERE
+        family = _SCHEME_FAMILY.get(scheme.lower())
+        if port is None and family is not None:
+            port = _DEFAULT_PORTS[family]
+        profile = next((p for p, pattern in self.routes if pattern.matches(family, normal, port)), None)
+        trusted = any(pattern.matches(family, normal, port) for pattern in self.trusted)
+        return Route(profile, trusted) if profile is not None or trusted else NOWHERE
+
+    def __bool__(self) -> bool:
+        return bool(self.routes or self.trusted)

@@ -1,4 +1,4 @@
-"""The active configuration: which hosts are Dynamo, which are trusted, whether tracing is on.
+"""The active configuration: which routers sit where, which hosts are trusted, what is switched on.
 
 It is a single immutable value swapped atomically by ``configure()``, so hooks running on other
 threads always see one whole configuration, never half of an old one and half of a new one.
@@ -7,17 +7,23 @@ threads always see one whole configuration, never half of an old one and half of
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from otel_session._hosts import HostPattern, HostRules, parse_patterns
+from otel_session._routers import DYNAMO, Profile, profile_named
 
 ENV_DYNAMO_HOSTS = "OTEL_SESSION_DYNAMO_HOSTS"
 ENV_TRUSTED_HOSTS = "OTEL_SESSION_TRUSTED_HOSTS"
+ENV_ROUTERS = "OTEL_SESSION_ROUTERS"
 ENV_TRACING = "OTEL_SESSION_TRACING"
+ENV_END_SESSIONS = "OTEL_SESSION_END_SESSIONS"
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
+
+Patterns = Iterable[str] | str
+Routers = Mapping[str, Patterns]
 
 
 @dataclass(frozen=True)
@@ -26,11 +32,11 @@ class Settings:
 
     rules: HostRules = field(default_factory=HostRules)
     tracing: bool = False
+    end_sessions: bool = False
 
 
-def parse_bool_env(name: str, default: bool = False) -> bool:
-    """Read a boolean variable; anything but the usual spellings is a ``ValueError`` naming it."""
-    raw = os.environ.get(name)
+def parse_bool(name: str, raw: str | None, default: bool = False) -> bool:
+    """Read a boolean setting; anything but the usual spellings is a ``ValueError`` naming it."""
     if raw is None or not raw.strip():
         return default
     value = raw.strip().lower()
@@ -41,7 +47,12 @@ def parse_bool_env(name: str, default: bool = False) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean: use one of true/false, 1/0, yes/no, on/off")
 
 
-def _patterns(value: Iterable[str] | str | None, env: str) -> tuple[HostPattern, ...]:
+def parse_bool_env(name: str, default: bool = False) -> bool:
+    """``parse_bool`` of the environment variable ``name``."""
+    return parse_bool(name, os.environ.get(name), default)
+
+
+def _patterns(value: Patterns | None, env: str) -> tuple[HostPattern, ...]:
     if value is None:
         try:
             return parse_patterns(os.environ.get(env))
@@ -50,17 +61,57 @@ def _patterns(value: Iterable[str] | str | None, env: str) -> tuple[HostPattern,
     return parse_patterns(value)
 
 
+def parse_routers(text: str, name: str = ENV_ROUTERS) -> dict[str, str]:
+    """``PROFILE=PATTERN[,PATTERN...]`` entries separated by ``;`` (blank entries skipped)."""
+    routers: dict[str, str] = {}
+    for entry in text.split(";"):
+        if not entry.strip():
+            continue
+        profile, sep, patterns = entry.partition("=")
+        if not sep or not profile.strip() or not patterns.strip():
+            raise ValueError(
+                f"{name}: {entry.strip()!r} is not PROFILE=PATTERN[,PATTERN...] "
+                "(entries separated by ';', e.g. 'vllm-router=10.0.0.5:8000;smg=*.gateway.internal')"
+            )
+        key = profile.strip()
+        routers[key] = f"{routers[key]},{patterns}" if key in routers else patterns
+    return routers
+
+
+def _routes(
+    dynamo_hosts: Patterns | None, routers: Routers | None
+) -> list[tuple[Profile, HostPattern]]:
+    routes = [(DYNAMO, pattern) for pattern in _patterns(dynamo_hosts, ENV_DYNAMO_HOSTS)]
+    env_routers = routers is None
+    if env_routers:
+        routers = parse_routers(os.environ.get(ENV_ROUTERS, ""))
+    assert routers is not None
+    if not isinstance(routers, Mapping):
+        raise TypeError(f"routers must be a mapping of profile -> patterns, not {type(routers).__name__}")
+    for name, patterns in routers.items():
+        try:
+            profile = profile_named(name)
+            routes.extend((profile, pattern) for pattern in parse_patterns(patterns))
+        except ValueError as exc:
+            raise ValueError(f"{ENV_ROUTERS}: {exc}" if env_routers else str(exc)) from None
+    return routes
+
+
 def build_settings(
-    dynamo_hosts: Iterable[str] | str | None = None,
-    trusted_hosts: Iterable[str] | str | None = None,
+    dynamo_hosts: Patterns | None = None,
+    trusted_hosts: Patterns | None = None,
     tracing: bool | None = None,
+    routers: Routers | None = None,
+    end_sessions: bool | None = None,
 ) -> Settings:
     """Settings from arguments, each missing one read from its ``OTEL_SESSION_*`` variable."""
-    dynamo = _patterns(dynamo_hosts, ENV_DYNAMO_HOSTS)
+    routes = _routes(dynamo_hosts, routers)
     trusted = _patterns(trusted_hosts, ENV_TRUSTED_HOSTS)
     if tracing is None:
         tracing = parse_bool_env(ENV_TRACING)
-    return Settings(HostRules(dynamo, trusted), bool(tracing))
+    if end_sessions is None:
+        end_sessions = parse_bool_env(ENV_END_SESSIONS)
+    return Settings(HostRules(routes, trusted), bool(tracing), bool(end_sessions))
 
 
 _active: Settings | None = None

@@ -56,7 +56,10 @@ ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 ENV_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
 ENV_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
-INSTALL_HINT = "pip install 'otel-session[tracing]'"
+INSTALL_HINT = (
+    "install the tracing extra: from a clone, pip install '.[tracing]' "
+    "(once published, pip install 'otel-session[tracing]')"
+)
 SESSION_ATTRIBUTE = "session.id"
 # Seconds. The OTLP default (10 s) would let a dead collector hold up shutdown and process exit.
 DEFAULT_EXPORT_TIMEOUT_S = 2.0

@@ -2,7 +2,9 @@
 
 Entering attaches a context whose baggage carries the session and whose current span is the
 trajectory span; leaving detaches that exact token, so the caller's context comes back unchanged
-even after an exception or a cancellation.
+even after an exception or a cancellation. With ``end_sessions`` on, the context also holds the set
+of routers the trajectory's requests reached, and leaving tells each of them the session is over
+(``_session_end``), on success, error and cancellation alike.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _tracing
-from otel_session._context import session_ids, with_session
+from otel_session import _session_end, _tracing
+from otel_session._context import ROUTER_VISITS_KEY, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -56,6 +58,7 @@ class trajectory:
                 self._attributes[f"otel_session.{key}"] = value
         self._token: object | None = None
         self._span: Span | None = None
+        self._visits: set[_session_end.Visit] | None = None
         self.session_id: str | None = None
         self.parent_session_id: str | None = None
 
@@ -76,14 +79,20 @@ class trajectory:
             raise RuntimeError("this trajectory is already running; open a new otel_session.trajectory()")
         parent, _ = session_ids()
         session = self._adopted if self._adopted is not None else new_session_id()
-        if session == parent:
+        reentered = session == parent
+        if reentered:
             parent = None  # adopting the enclosing session is re-entering it, not nesting
         ctx = with_session(session, parent)
+        # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
+        visits = None if reentered else _session_end.new_visits()
+        if visits is not None:
+            ctx = otel_context.set_value(ROUTER_VISITS_KEY, visits, ctx)
         attributes = {"session.id": session, "gen_ai.conversation.id": session, **self._attributes}
         if parent is not None:
             attributes["otel_session.parent_session_id"] = parent
         span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
         self._span = span
+        self._visits = visits
         self.session_id, self.parent_session_id = session, parent
         self._token = otel_context.attach(trace.set_span_in_context(span, ctx))
         return self
@@ -94,8 +103,14 @@ class trajectory:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        token, span = self._token, self._span
-        self._token = None
+        visits = self._leave(exc)
+        if visits and self.session_id is not None:
+            _session_end.finish(self.session_id, self.parent_session_id, visits)
+
+    def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:
+        """Detach and end the span; returns the routers to tell the session is over (at most once)."""
+        token, span, visits = self._token, self._span, self._visits
+        self._token, self._visits = None, None
         try:
             if span is not None and exc is not None and span.is_recording():
                 span.record_exception(exc)
@@ -105,6 +120,7 @@ class trajectory:
                 otel_context.detach(token)  # type: ignore[arg-type]
             if span is not None:
                 span.end()
+        return visits
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()
@@ -115,14 +131,16 @@ class trajectory:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.__exit__(exc_type, exc, tb)
+        visits = self._leave(exc)
+        if visits and self.session_id is not None:
+            await _session_end.finish_async(self.session_id, self.parent_session_id, visits)
 
     def __call__(self, func: _F) -> _F:
         if inspect.iscoroutinefunction(func):
 
             @functools.wraps(func)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                with self._fresh():
+                async with self._fresh():
                     return await func(*args, **kwargs)
 
             return cast(_F, run_async)

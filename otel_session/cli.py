@@ -1,44 +1,176 @@
-"""``otel-session``: show, against a real Dynamo, that each trajectory keeps to one worker.
+"""``otel-session``: show, against a real Dynamo, what one session per trajectory changes.
 
-With no arguments it starts a local Dynamo 1.6.1 stack (frontend and mocker workers on loopback,
-session affinity on), runs a GRPO-style batch through the openai SDK inside
-``otel_session.trajectory()``, and prints per trajectory its session, the worker of every turn and
-the share of prompt tokens served from cache. ``--base-url`` runs the same against a deployment you
-already have; ``doctor`` tells whether that deployment pins sessions and, if not, what to change.
+With no arguments it starts a local Dynamo stack (frontend and mocker workers on loopback, session
+affinity on) and runs the same GRPO-style batch twice through the openai SDK: once with otel-session
+delivering a session per trajectory, once with no session header at all. It prints both side by side
+and one verdict line. ``--base-url`` does the same against a deployment you already have; ``doctor``
+tells whether that deployment pins sessions and, if not, what to change.
+
+Every flag and every ``OTEL_SESSION_*`` variable is checked before anything starts: a mistake is one
+line naming it and what it accepts, exit code 2. Missing packages are named with the one command that
+installs them, before any stack or install begins.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib.util
 import json
+import os
+import shlex
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import TextIO
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from urllib.parse import urlsplit
 
-from otel_session import _config
-from otel_session.rollouts import TrajectoryResult, Workload, run_batch, summarize
+import otel_session
+
+if TYPE_CHECKING:  # imported when a run starts: a usage mistake is answered without loading them
+    from otel_session.rollouts import Summary, TrajectoryResult, Workload
+
+#: Router modes of Dynamo's frontend that work with the mocker workers of the local stack.
+ROUTERS = ("round-robin", "random", "kv", "least-loaded", "power-of-two")
+_LOCAL_ONLY = ("workers", "router", "affinity_ttl")
+_ENV_DYNAMO_HOSTS = "OTEL_SESSION_DYNAMO_HOSTS"
+_FALLBACK_CLI_REQUIREMENTS = ("openai>=1.40", "httpx>=0.27")
+
+
+class UsageError(Exception):
+    """A flag, variable or combination the command cannot run with: one line, exit code 2."""
+
+
+class RunError(Exception):
+    """The command ran but could not do its job (unreachable frontend, failed start): exit code 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (no usage block), so it reads like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _whole(low: int, high: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _base_url(text: str) -> str:
+    try:
+        parts = urlsplit(text.strip())
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # "http://[::1", "http://h:99999"
+        parts, port_ok = urlsplit(""), False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or " " in text.strip():
+        raise argparse.ArgumentTypeError(f"expected a URL like http://dynamo:8000/v1, got {text!r}")
+    return text.strip().rstrip("/")
+
+
+def _model(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a model name, got an empty string")
+    return text.strip()
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _check_environment() -> None:
+    """Every ``OTEL_SESSION_*`` variable, read the way the library reads it: by ``configure()``."""
+    try:
+        if os.environ.get(_ENV_DYNAMO_HOSTS, "").strip():
+            otel_session.configure()
+        else:  # a placeholder host: no "no Dynamo hosts" warning, the other variables still read
+            otel_session.configure(dynamo_hosts=["127.0.0.1"])
+    except (ValueError, ImportError) as exc:
+        raise UsageError(" ".join(str(exc).split())) from None
+    finally:
+        otel_session.unconfigure()
+
+
+def _cli_requirements() -> list[str]:
+    """The ``cli`` extra's requirements, from this install's own metadata (so they match pyproject)."""
+    import importlib.metadata
+
+    try:
+        requires = importlib.metadata.requires("otel-session") or []
+    except importlib.metadata.PackageNotFoundError:
+        return list(_FALLBACK_CLI_REQUIREMENTS)
+    found = [r.split(";")[0].strip() for r in requires if "extra" in r and '"cli"' in r.split(";", 1)[1]]
+    return found or list(_FALLBACK_CLI_REQUIREMENTS)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_clients() -> None:
+    """The openai SDK (and httpx2 under it) must be there before a stack starts, not after."""
+    missing = [m for m in ("openai", "httpx2") if not _importable(m)]
+    if missing:
+        command = shlex.join([sys.executable, "-m", "pip", "install", *_cli_requirements()])
+        raise RunError(f"{' and '.join(missing)} not installed (the `cli` extra); install with: {command}")
+
+
+def _check_local_dynamo() -> str:
+    """Which Dynamo the local stack will run; another interpreter's is checked before anything starts."""
+    from otel_session.dynamo import (
+        DYNAMO_VERSION,
+        ENV_DYNAMO_PYTHON,
+        DynamoInstallError,
+        dynamo_version_of,
+    )
+
+    python = os.environ.get(ENV_DYNAMO_PYTHON)
+    if python and os.path.abspath(python) != os.path.abspath(sys.executable):
+        try:
+            return dynamo_version_of(python)
+        except DynamoInstallError as exc:
+            raise RunError(f"{ENV_DYNAMO_PYTHON}: {exc}") from None
+    return DYNAMO_VERSION  # when missing, LocalDynamo.start() installs it and says so, with progress
+
+
+# ------------------------------------------------------------------------------------------ output
 
 
 class Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, a line per quarter in a log file."""
+    """A progress bar on stderr: redrawn in place on a terminal, a line per quarter in a log file.
+
+    The clock starts with :meth:`start`, at the first turn: install and stack start-up are not turns.
+    """
 
     def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
         self.total, self.done, self.stream, self.enabled = total, 0, stream, enabled
         self.live = enabled and stream.isatty()
         self._lock = threading.Lock()
+        self._began: float | None = None
+
+    def start(self) -> None:
         self._began = time.monotonic()
 
     def step(self) -> None:
         with self._lock:
+            if self._began is None:
+                self._began = time.monotonic()
             self.done += 1
-            quarter = self.done * 4 // max(self.total, 1) != (self.done - 1) * 4 // max(self.total, 1)
+            total = max(self.total, 1)
+            quarter = self.done * 4 // total != (self.done - 1) * 4 // total
             if self.enabled and (self.live or quarter):
-                filled = int(30 * self.done / max(self.total, 1))
+                filled = int(30 * self.done / total)
                 elapsed = time.monotonic() - self._began
                 bar = f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} turns  {elapsed:5.1f}s"
                 self.stream.write(("\r" + bar) if self.live else bar + "\n")
@@ -50,106 +182,235 @@ class Progress:
             self.stream.flush()
 
 
-def _host_of(base_url: str) -> str:
-    parts = urlsplit(base_url)
-    if not parts.hostname:
-        raise SystemExit(f"otel-session: --base-url {base_url!r} is not a URL like http://host:8000/v1")
-    return parts.netloc
-
-
-def _first_model(base_url: str) -> str:
-    import httpx
-
-    models = httpx.get(base_url.rstrip("/") + "/models", timeout=10).json().get("data") or []
-    if not models:
-        raise SystemExit(f"otel-session: {base_url}/models lists no model; is a worker registered?")
-    return str(models[0]["id"])
-
-
 def _worker_label(worker: int | None, names: dict[int, str]) -> str:
     if worker is None:
         return "?"
     return names.setdefault(worker, f"w{len(names)}")
 
 
-def render_table(
-    results: Sequence[TrajectoryResult], out: TextIO, names: dict[int, str] | None = None
-) -> None:
-    """The human table: one row per trajectory, then the summary lines."""
+def _cached(result: TrajectoryResult) -> str:
+    later = result.turns[1:]
+    prompt = sum(t.prompt_tokens for t in later)
+    if not prompt or all(t.cached_tokens is None for t in later):
+        return "-"
+    return f"{sum(t.cached_tokens or 0 for t in later) / prompt:.0%}"
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def _ttft(summary: Summary) -> str:
+    if summary.mean_ttft_ms is None or summary.p90_ttft_ms is None:
+        return "n/a"
+    return f"{summary.mean_ttft_ms:.0f} / {summary.p90_ttft_ms:.0f} ms"
+
+
+@dataclass
+class Verdict:
+    """What the two runs showed, as one line and an exit code."""
+
+    line: str
+    pinned: bool
+
+    @staticmethod
+    def of(on: Summary, off: Summary) -> Verdict:
+        parts = [f"pinned {on.pinned}/{on.trajectories} vs {off.pinned}/{off.trajectories}"]
+        if on.hit_rate is not None and off.hit_rate is not None:
+            parts.append(f"hit rate {_percent(on.hit_rate)} vs {_percent(off.hit_rate)}")
+        if on.mean_ttft_ms and off.mean_ttft_ms:
+            parts.append(f"TTFT {off.mean_ttft_ms / on.mean_ttft_ms:.1f}x")
+        pinned = on.errors == 0 and on.pinned == on.trajectories > 0
+        if off.pinned == off.trajectories > 0:
+            parts.append("without sessions pinned too, so this run cannot tell them apart (more workers?)")
+        return Verdict("; ".join(parts), pinned)
+
+
+def render(
+    with_sessions: Sequence[TrajectoryResult],
+    without: Sequence[TrajectoryResult],
+    out: TextIO,
+    names: dict[int, str] | None = None,
+) -> Verdict:
+    """Both runs side by side (one row per trajectory, then the summaries), then the verdict line."""
+    from otel_session.rollouts import summarize
+
     names = {} if names is None else names
+    on, off = summarize(with_sessions), summarize(without)
+    turns = max((len(r.turns) for r in [*with_sessions, *without]), default=0)
+    width = max(3 * turns, 15)
+    out.write(f"{'':15}   {'with sessions':{width + 8}}   without (no header)\n")
     out.write(
-        f"{'prompt':>6} {'sib':>3}  {'session id':36}  {'turns':>5}  {'workers by turn':24} {'cached':>7}\n"
+        f"{'prompt sib':10} {'session':8}  {'workers':{width}} {'cached':>6}   {'workers':{width}} cached\n"
     )
-    for r in results:
-        workers = " ".join(_worker_label(w, names) for w in r.workers)
-        later = r.turns[1:]
-        prompt = sum(t.prompt_tokens for t in later)
-        cached = f"{sum(t.cached_tokens for t in later) / prompt:7.1%}" if prompt else f"{'-':>7}"
-        line = f"{r.prompt_index:>6} {r.sibling_index:>3}  {r.session_id:36}  {len(r.turns):>5}  {workers:24}"
-        line += f" {cached}"
-        out.write(line + (f"  ERROR {r.error}" if r.error else "") + "\n")
-    s = summarize(results)
-    out.write("\n")
-    out.write(f"trajectories pinned to one worker : {s.pinned}/{s.trajectories}\n")
-    seen = len({worker for r in results for worker in r.workers if worker is not None})
-    out.write(
-        f"prompts whose siblings spread     : {s.prompts_spread}/{s.prompts} (over {seen} workers seen)\n"
-    )
-    out.write(f"prefix-cache hit rate, turns 2+   : {s.hit_rate:.1%}\n")
-    if s.mean_ttft_ms is not None:
-        out.write(f"TTFT turns 2+ mean / p90          : {s.mean_ttft_ms:.0f} ms / {s.p90_ttft_ms:.0f} ms\n")
-    if s.errors:
-        out.write(f"failed trajectories               : {s.errors}\n")
+    for a, b in zip(with_sessions, without, strict=False):
+        left = " ".join(_worker_label(w, names) for w in a.workers)
+        right = " ".join(_worker_label(w, names) for w in b.workers)
+        line = (
+            f"{a.prompt_index:>6} {a.sibling_index:>3} {a.session_id[:8]:8}  {left:{width}} {_cached(a):>6}"
+        )
+        line += f"   {right:{width}} {_cached(b):>6}"
+        errors = [f"ERROR {r.error}" for r in (a, b) if r.error]
+        out.write(line + ("  " + "; ".join(errors) if errors else "") + "\n")
+    rows = [
+        (
+            "trajectories pinned to one worker",
+            f"{on.pinned}/{on.trajectories}",
+            f"{off.pinned}/{off.trajectories}",
+        ),
+        (
+            "prompts whose siblings spread",
+            f"{on.prompts_spread}/{on.prompts}",
+            f"{off.prompts_spread}/{off.prompts}",
+        ),
+        ("prefix-cache hit rate, turns 2+", _percent(on.hit_rate), _percent(off.hit_rate)),
+        ("TTFT turns 2+, mean / p90", _ttft(on), _ttft(off)),
+        ("failed trajectories", str(on.errors), str(off.errors)),
+    ]
+    out.write(f"\n{'':34} {'with sessions':>16} {'without':>16}\n")
+    for label, left, right in rows:
+        out.write(f"{label:34} {left:>16} {right:>16}\n")
+    verdict = Verdict.of(on, off)
+    out.write(f"\nverdict: {verdict.line}\n")
+    return verdict
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def _served_models(base_url: str) -> list[str]:
+    """The frontend's model list, through the same SDK the batch uses; one line when unreachable."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=10)
+    try:
+        return [model.id for model in client.models.list()]
+    except Exception as exc:
+        cause = exc.__cause__ or exc  # the SDK's "Connection error." hides the useful part
+        reason = " ".join(str(cause).split()) or type(cause).__name__
+        raise RunError(
+            f"cannot list models at {base_url}/models ({reason}); check the URL (it ends in /v1) "
+            f"and that the Dynamo frontend runs: otel-session doctor --base-url {base_url}"
+        ) from None
+    finally:
+        client.close()
+
+
+def _dynamo_hosts(base_urls: Sequence[str], announce: bool = False) -> list[str]:
+    """The frontends of this run, plus whatever ``OTEL_SESSION_DYNAMO_HOSTS`` names: kept, not
+    silently replaced, and said so (the run must reach its own frontend either way)."""
+    raw = os.environ.get(_ENV_DYNAMO_HOSTS, "")
+    extra = [p.strip() for p in raw.split(",") if p.strip()]
+    own = [urlsplit(url).netloc for url in base_urls]
+    if extra and announce:
+        print(f"otel-session: {_ENV_DYNAMO_HOSTS}={raw!r} kept; {', '.join(own)} added", file=sys.stderr)
+    return [*own, *extra]
+
+
+async def _both_arms(
+    base_urls: Sequence[str], model: str, workload: Workload, concurrency: int, progress: Progress
+) -> tuple[list[TrajectoryResult], list[TrajectoryResult]]:
+    """The batch with sessions, then the same shape with no header at all (new text, so the second
+    run finds no cache left warm by the first)."""
+    from otel_session.rollouts import run_batch
+
+    progress.start()
+    otel_session.configure(dynamo_hosts=_dynamo_hosts(base_urls, announce=True))
+    try:
+        on = await run_batch(base_urls, model, workload, concurrency=concurrency, on_turn=progress.step)
+    finally:
+        otel_session.unconfigure()
+    off_load = replace(workload, seed=workload.seed + 1)
+    off = await run_batch(base_urls, model, off_load, concurrency=concurrency, on_turn=progress.step)
+    return on, off
 
 
 def _run(args: argparse.Namespace) -> int:
-    workload = Workload(prompts=args.prompts, siblings=args.siblings, turns=args.turns)
-    progress = Progress(workload.trajectories * workload.turns, sys.stderr, not args.json and not args.quiet)
-    stack = None
-    names: dict[int, str] = {}
     if args.base_url:
-        base_urls, model = [args.base_url], args.model or _first_model(args.base_url)
-    else:
-        from otel_session.dynamo import LocalDynamo
+        given = [f"--{name.replace('_', '-')}" for name in _LOCAL_ONLY if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only for the local stack, not with --base-url")
+    args.workers = 4 if args.workers is None else args.workers
+    args.router = "round-robin" if args.router is None else args.router
+    args.affinity_ttl = 300 if args.affinity_ttl is None else args.affinity_ttl
+    _check_environment()
+    _check_clients()
+    import asyncio
 
-        if not args.json:
-            print(
-                f"starting a local Dynamo 1.6.1: {args.workers} mocker workers, {args.router} router, "
-                "session affinity on ...",
-                file=sys.stderr,
+    from otel_session.rollouts import Workload, summarize
+
+    workload = Workload(prompts=args.prompts, siblings=args.siblings, turns=args.turns)
+    progress = Progress(
+        2 * workload.trajectories * workload.turns, sys.stderr, not args.json and not args.quiet
+    )
+    names: dict[int, str] = {}
+    stack: Any = None
+    if args.base_url:
+        served = _served_models(args.base_url)
+        if args.model and args.model not in served:
+            raise RunError(
+                f"--model {args.model!r} is not served at {args.base_url} (it serves: {', '.join(served)})"
             )
+        if not served:
+            raise RunError(f"{args.base_url}/models lists no model; is a worker registered?")
+        base_urls, model = [args.base_url], args.model or served[0]
+    else:
+        from otel_session.dynamo import DynamoInstallError, DynamoStartError, LocalDynamo
+
         stack = LocalDynamo(
             workers=args.workers, router_mode=args.router, affinity_ttl_secs=args.affinity_ttl
         )
-        stack.start()
+        if args.model and args.model != stack.model_name:
+            raise UsageError(f"--model {args.model!r}: the local stack serves only {stack.model_name!r}")
+        version = _check_local_dynamo()
+        if not args.json:
+            print(
+                f"starting a local Dynamo {version}: {args.workers} mocker workers, {args.router} router, "
+                "session affinity on ...",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            stack.start()
+        except (DynamoInstallError, DynamoStartError) as exc:
+            raise RunError(str(exc)) from None
         base_urls, model = stack.base_urls, stack.model_name
-        names = {
-            worker.instance_id: f"w{worker.index}"
-            for worker in stack.workers
-            if worker.instance_id is not None
-        }
+        names = {w.instance_id: f"w{w.index}" for w in stack.workers if w.instance_id is not None}
     try:
-        _config.configure(dynamo_hosts=[_host_of(url) for url in base_urls])
-        results = asyncio.run(
-            run_batch(base_urls, model, workload, concurrency=args.concurrency, on_turn=progress.step)
-        )
+        on, off = asyncio.run(_both_arms(base_urls, model, workload, args.concurrency, progress))
         progress.close()
     finally:
-        _config.unconfigure()
         if stack is not None:
             stack.stop()
-    summary = summarize(results)
     if args.json:
-        json.dump(
-            {"summary": asdict(summary), "trajectories": [r.to_dict() for r in results]}, sys.stdout, indent=2
-        )
+        verdict = Verdict.of(summarize(on), summarize(off))
+        document = {
+            "base_urls": list(base_urls),
+            "model": model,
+            "verdict": {"line": verdict.line, "pinned": verdict.pinned},
+            "with_sessions": {"summary": asdict(summarize(on)), "trajectories": [r.to_dict() for r in on]},
+            "without_sessions": {
+                "summary": asdict(summarize(off)),
+                "trajectories": [r.to_dict() for r in off],
+            },
+        }
+        json.dump(document, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        render_table(results, sys.stdout, names)
-    return 1 if summary.errors else 0
+        verdict = render(on, off, sys.stdout, names)
+    if verdict.pinned:
+        return 0
+    if args.base_url:
+        hint = f"find out why with: otel-session doctor --base-url {args.base_url}"
+    else:
+        hint = "the local stack should always pin: run otel-session doctor against a stack of your own"
+    print(f"otel-session: not every trajectory stayed on one worker; {hint}", file=sys.stderr)
+    return 1
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    _check_environment()
+    _check_clients()
     from otel_session.doctor import diagnose
 
     report = diagnose(args.base_url, model=args.model, requests=args.requests)
@@ -162,30 +423,42 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _install(_: argparse.Namespace) -> int:
-    from otel_session.dynamo import ensure_dynamo_installed
+    from otel_session.dynamo import DYNAMO_VERSION, DynamoInstallError, ensure_dynamo_installed
 
-    ensure_dynamo_installed(auto_install=True)
-    print("Dynamo 1.6.1 (frontend and mocker) is installed.")
+    try:
+        ensure_dynamo_installed(auto_install=True)
+    except DynamoInstallError as exc:
+        raise RunError(str(exc)) from None
+    print(
+        f"Dynamo {DYNAMO_VERSION} (frontend and mocker) is installed. `pip check` lists ai-dynamo's "
+        "unmet requirements: expected, they are left out on purpose (see the README)."
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="otel-session",
-        description="Run GRPO-style multi-turn rollouts through otel-session and show that every trajectory "
-        "stays on one Dynamo worker. With no arguments a local Dynamo stack is started for the run.",
+        description="Run GRPO-style multi-turn rollouts with and without otel-session and show whether "
+        "every trajectory stays on one Dynamo worker. With no arguments a local Dynamo stack is started.",
     )
-    parser.add_argument("--base-url", help="an existing Dynamo frontend, e.g. http://dynamo:8000/v1")
-    parser.add_argument("--model", help="model name (default: the first one the frontend lists)")
-    parser.add_argument("--prompts", type=int, default=3, help="prompts in the batch (default 3)")
-    parser.add_argument("--siblings", type=int, default=3, help="trajectories per prompt (default 3)")
-    parser.add_argument("--turns", type=int, default=4, help="turns per trajectory (default 4)")
-    parser.add_argument("--concurrency", type=int, default=16, help="trajectories in flight (default 16)")
-    parser.add_argument("--workers", type=int, default=4, help="local stack: mocker workers (default 4)")
     parser.add_argument(
-        "--router", default="round-robin", help="local stack: router mode (default round-robin)"
+        "--base-url", type=_base_url, help="an existing Dynamo frontend, e.g. http://dynamo:8000/v1"
     )
-    parser.add_argument("--affinity-ttl", type=int, default=300, help="local stack: affinity TTL seconds")
+    parser.add_argument("--model", type=_model, help="model name (default: the first one the frontend lists)")
+    parser.add_argument("--prompts", type=_whole(1, 1000), default=3, help="prompts in the batch (default 3)")
+    parser.add_argument(
+        "--siblings", type=_whole(1, 1000), default=3, help="trajectories per prompt (default 3)"
+    )
+    parser.add_argument("--turns", type=_whole(1, 100), default=4, help="turns per trajectory (default 4)")
+    parser.add_argument(
+        "--concurrency", type=_whole(1, 10_000), default=16, help="trajectories in flight (default 16)"
+    )
+    parser.add_argument("--workers", type=_whole(1, 16), help="local stack: mocker workers (default 4)")
+    parser.add_argument("--router", choices=ROUTERS, help="local stack: router mode (default round-robin)")
+    parser.add_argument(
+        "--affinity-ttl", type=_whole(1, 31_536_000), help="local stack: affinity TTL seconds (default 300)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run)
@@ -193,9 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor", help="check that a Dynamo deployment pins sessions, and say how to fix it"
     )
-    doctor.add_argument("--base-url", required=True, help="the Dynamo frontend, e.g. http://dynamo:8000/v1")
-    doctor.add_argument("--model", help="model name (default: the first one the frontend lists)")
-    doctor.add_argument("--requests", type=int, default=6, help="requests per probe session (default 6)")
+    doctor.add_argument(
+        "--base-url", type=_base_url, required=True, help="the Dynamo frontend, e.g. http://dynamo:8000/v1"
+    )
+    doctor.add_argument("--model", type=_model, help="model name (default: the first one the frontend lists)")
+    doctor.add_argument(
+        "--requests", type=_whole(2, 1000), default=6, help="requests per probe session (default 6)"
+    )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.set_defaults(func=_doctor)
     install = sub.add_parser(
@@ -206,12 +483,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
+    except UsageError as exc:
+        print(f"otel-session: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"otel-session: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\notel-session: interrupted; every process it started has been stopped.", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `otel-session | head`: the reader left, so nothing more is written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

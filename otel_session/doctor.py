@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from otel_session import _config
-from otel_session._ids import SESSION_HEADER
-from otel_session._trajectory import trajectory
-from otel_session.dynamo._nvext import NVEXT_EXTRA_BODY, worker_id_of
+import otel_session
+from otel_session import SESSION_HEADER, trajectory
+from otel_session._affinity_sizing import sizing_note
+from otel_session.dynamo import NVEXT_EXTRA_BODY, worker_id_of
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -46,7 +46,11 @@ class Report:
         return ok
 
     def to_dict(self) -> dict[str, Any]:
-        return {"base_url": self.base_url, "ok": self.ok, "checks": [vars(check) for check in self.checks]}
+        """A passing check has no ``fix``: there is nothing to do about it."""
+        checks = [
+            {k: v for k, v in vars(check).items() if k != "fix" or not check.ok} for check in self.checks
+        ]
+        return {"base_url": self.base_url, "ok": self.ok, "checks": checks}
 
     def render(self, out: TextIO) -> None:
         out.write(f"otel-session doctor: {self.base_url}\n")
@@ -64,13 +68,15 @@ class Report:
         )
 
 
-def _recording_transport(sent: list[str | None]) -> Any:
-    """A real HTTP transport that notes the session header as it leaves this process."""
+def _recording_transport(sent: list[tuple[bool, str | None]]) -> Any:
+    """A real HTTP transport that notes, as each request leaves this process, whether it was sent
+    inside a trajectory (so meant to carry the header) and the header it did carry."""
     import httpx2
 
     class Recording(httpx2.HTTPTransport):
         def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-            sent.append(request.headers.get(SESSION_HEADER))
+            meant = otel_session.current_session_id() is not None
+            sent.append((meant, request.headers.get(SESSION_HEADER)))
             return super().handle_request(request)
 
     return Recording()
@@ -93,7 +99,9 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
             "check the URL (it ends in /v1) and that the Dynamo frontend is running",
         )
         return report
-    names = [str(item.get("id")) for item in listed]
+    # Whatever answers there may not be Dynamo at all: anything but a list of models is "none".
+    items = listed if isinstance(listed, list) else []
+    names = [str(item["id"]) for item in items if isinstance(item, dict) and item.get("id")]
     if not report.add(
         "frontend reachable",
         bool(names),
@@ -103,7 +111,7 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
         return report
     model = model or names[0]
 
-    sent: list[str | None] = []
+    sent: list[tuple[bool, str | None]] = []
     client = openai.OpenAI(
         base_url=base_url,
         api_key="unused",
@@ -122,15 +130,16 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
         )
         return worker_id_of(response)
 
-    _config.configure(dynamo_hosts=[netloc])
+    otel_session.configure(dynamo_hosts=[netloc])
     try:
         first = ask()
         if not report.add(
             "worker reported",
             first is not None,
             f"responses name worker {first}" if first is not None else "no nvext.worker_id",
-            "use Dynamo >= 1.6: it reports the serving worker when the request asks for "
-            "nvext.extra_fields=['worker_id']",
+            "Dynamo (1.3.0.post1 and 1.6.1 both) reports the serving worker when a request asks for "
+            "nvext.extra_fields=['worker_id']: is a proxy in front of it dropping nvext from the body "
+            "or the response?",
         ):
             return report
         free = {ask() for _ in range(requests)}
@@ -147,15 +156,23 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
         )
         return report
     finally:
-        _config.unconfigure()
+        otel_session.unconfigure()
         client.close()
 
-    with_header = sum(1 for value in sent if value)
+    meant = [header for in_session, header in sent if in_session]
+    carried = sum(1 for header in meant if header)
     report.add(
         "header sent",
-        with_header >= sessions * requests,
-        f"{with_header} of {len(sent)} requests left this process with {SESSION_HEADER}",
+        carried == len(meant) > 0,
+        f"{carried} of {len(meant)} requests sent in a session left this process with {SESSION_HEADER}",
         "otel-session did not add the header: is this host in OTEL_SESSION_DYNAMO_HOSTS?",
+    )
+    stray = sum(1 for in_session, header in sent if not in_session and header)
+    report.add(
+        "no header outside a session",
+        stray == 0,
+        f"{stray} requests sent outside a session carried {SESSION_HEADER}",
+        "something else in this process sets the header on every request: remove it",
     )
     report.add("requests without a session", True, f"spread over {len(free)} worker(s)")
     stuck = sum(1 for workers in pinned if len(workers) == 1)
@@ -176,4 +193,5 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
             f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
             "let it through, and hash on it if several frontends sit behind a load balancer",
         )
+    report.add("session table", True, " ".join(sizing_note()))
     return report

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from otel_session._trajectory import trajectory
-from otel_session.dynamo._nvext import NVEXT_EXTRA_BODY, cached_tokens_of, ttft_ms_of, worker_id_of
+from otel_session import trajectory
+from otel_session.dynamo import NVEXT_EXTRA_BODY, cached_tokens_of, ttft_ms_of, worker_id_of
 
 _WORDS = [
     "session",
@@ -70,7 +70,8 @@ class Turn:
 
     worker: int | None
     prompt_tokens: int
-    cached_tokens: int
+    #: ``None`` when Dynamo does not report prefix-cache use (1.3.0.post1 does not).
+    cached_tokens: int | None
     ttft_ms: float | None
     seconds: float
 
@@ -110,7 +111,8 @@ class Summary:
     pinned: int
     prompts_spread: int
     prompts: int
-    hit_rate: float
+    #: ``None`` when the deployment reports no cached tokens at all.
+    hit_rate: float | None
     ceiling: float
     mean_ttft_ms: float | None
     p90_ttft_ms: float | None
@@ -132,6 +134,8 @@ def summarize(results: Sequence[TrajectoryResult], block_size: int = 16) -> Summ
         for before, now in zip(result.turns, result.turns[1:], strict=False)
     )
     ttfts = sorted(turn.ttft_ms for turn in later if turn.ttft_ms is not None)
+    reported = any(turn.cached_tokens is not None for turn in later)
+    cached = sum(turn.cached_tokens or 0 for turn in later)
     by_prompt: dict[int, set[int | None]] = {}
     for result in results:
         if result.turns:
@@ -141,7 +145,7 @@ def summarize(results: Sequence[TrajectoryResult], block_size: int = 16) -> Summ
         pinned=sum(result.pinned for result in results),
         prompts_spread=sum(1 for workers in by_prompt.values() if len(workers) > 1),
         prompts=len(by_prompt),
-        hit_rate=sum(turn.cached_tokens for turn in later) / prompt if prompt else 0.0,
+        hit_rate=cached / prompt if prompt and reported else None,
         ceiling=reachable / prompt if prompt else 0.0,
         mean_ttft_ms=statistics.fmean(ttfts) if ttfts else None,
         p90_ttft_ms=ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
@@ -204,7 +208,7 @@ async def run_trajectory(
                     Turn(
                         worker=worker_id_of(response),
                         prompt_tokens=usage.prompt_tokens if usage else 0,
-                        cached_tokens=cached_tokens_of(response) or 0,
+                        cached_tokens=cached_tokens_of(response),
                         ttft_ms=ttft_ms_of(response),
                         seconds=time.perf_counter() - began,
                     )
@@ -224,13 +228,19 @@ async def run_batch(
     *,
     concurrency: int = 16,
     max_retries: int = 2,
+    timeout: float = 60.0,
     on_turn: Callable[[], None] | None = None,
 ) -> list[TrajectoryResult]:
     """Run every trajectory of the batch, at most ``concurrency`` at a time, on one event loop."""
     import openai
 
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")  # 0 would wait forever
+
     clients = [
-        openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=max_retries) for url in base_urls
+        # A bounded timeout: a frontend that accepts and never answers fails the turn, not the run.
+        openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=max_retries, timeout=timeout)
+        for url in base_urls
     ]
     gate = asyncio.Semaphore(concurrency)
 

@@ -11,7 +11,9 @@ untrusted input: anything that is not a valid session ID is ignored, never answe
 
 Reading the session needs no ``configure()``: the middleware extracts directly, so
 ``current_session_id()`` works in any server. Forwarding it onward does need ``configure()`` in the
-server process (it installs the client hooks and says which hosts are Dynamo).
+server process (it installs the client hooks and says which hosts are Dynamo). With
+``configure(servers=True)``, and by default in zero-code mode, no ``add_middleware`` is needed at all:
+every app the process builds gets this middleware innermost (``_server_hooks``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "SessionSource",
     "aiohttp_session_middleware",
     "cookie",
+    "is_session_middleware",
     "make_aiohttp_session_middleware",
     "starlette_session",
 ]
@@ -139,6 +142,7 @@ class SessionMiddleware:
             otel_context.detach(token)
 
 
+_MARK = "__otel_session_middleware__"  # on every aiohttp middleware made here
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
 AiohttpMiddleware = Callable[["web.Request", Handler], Awaitable["web.StreamResponse"]]
 
@@ -161,7 +165,18 @@ def make_aiohttp_session_middleware(*, session_from: SessionSource | None = None
 
     # What ``@aiohttp.web.middleware`` sets; done by hand so importing this module needs no aiohttp.
     session_middleware.__middleware_version__ = 1  # type: ignore[attr-defined]
+    setattr(session_middleware, _MARK, True)
     return session_middleware
+
+
+def is_session_middleware(candidate: object) -> bool:
+    """Whether ``candidate`` is otel-session's middleware (the ASGI class or an aiohttp one of ours).
+
+    Server auto-instrumentation asks this so that a middleware added by hand is never doubled.
+    """
+    if isinstance(candidate, type):
+        return issubclass(candidate, SessionMiddleware)
+    return getattr(candidate, _MARK, False) is True
 
 
 aiohttp_session_middleware: AiohttpMiddleware = make_aiohttp_session_middleware()

@@ -2,8 +2,12 @@
 
 The upstream distro and configurator would install an SDK provider, which sends ``traceparent`` to
 every host even with nothing exported. This distro instead runs ``otel_session.configure()`` from the
-``OTEL_SESSION_*`` variables: the destination-aware propagator and the lean client hooks, and the SDK
-with OTLP export only when ``OTEL_SESSION_TRACING`` is true. The configurator installs nothing else.
+``OTEL_SESSION_*`` variables: the destination-aware propagator and the lean client hooks, the session
+middleware in every server app the process builds (unless ``OTEL_SESSION_SERVERS=false``), and the
+SDK with OTLP export only when ``OTEL_SESSION_TRACING`` is true. The configurator installs nothing
+else. A variable it cannot honour is one warning line, never a traceback that leaves the library off.
+Child processes inherit ``opentelemetry-instrument`` through ``PYTHONPATH`` (its ``sitecustomize``);
+for processes started without it (Ray workers), see ``OTEL_SESSION_AUTO`` in ``_environment``.
 
 ``OTEL_PROPAGATORS`` cannot be used for this: the global propagator is built when
 ``opentelemetry.propagate`` is first imported, before any distro runs, hence ``configure()``.
@@ -22,7 +26,7 @@ from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_CONFIGURATOR
 from opentelemetry.util._importlib_metadata import EntryPoint
 
-from otel_session import _config, _settings
+from otel_session import _environment, _settings
 
 ENTRY_POINT_NAME = "otel_session"
 # Instrumentors otel-session runs itself: with tracing off its lean hooks do the propagation (theirs
@@ -36,7 +40,8 @@ class SessionDistro(BaseDistro):  # type: ignore[misc]
     def _configure(self, **kwargs: Any) -> None:
         # The configurator runs after this; without a name the first one installed would win.
         os.environ.setdefault(OTEL_PYTHON_CONFIGURATOR, ENTRY_POINT_NAME)
-        _config.configure()
+        if _settings.active() is None:  # OTEL_SESSION_AUTO may have done it at interpreter start
+            _environment.configure_from_environment()
 
     def load_instrumentor(self, entry_point: EntryPoint, **kwargs: Any) -> None:
         if entry_point.name in CLIENT_INSTRUMENTORS:
@@ -52,4 +57,4 @@ class SessionConfigurator:
 
     def configure(self, **kwargs: Any) -> None:
         if _settings.active() is None:
-            _config.configure()
+            _environment.configure_from_environment()

@@ -48,17 +48,26 @@ class AsgiServer(Served):
         port: int = 0,
         lifespan: str = "off",
         log_level: str = "warning",
+        tls: tuple[str, str] | None = None,
     ) -> None:
         self.app, self.host, self.port = app, host, port
         self.lifespan, self.log_level = lifespan, log_level
+        self.tls = tls  # (certificate file, key file): serve https
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> AsgiServer:
         sock = bind_loopback(self.host, self.port)
         self.port = sock.getsockname()[1]
+        certfile, keyfile = self.tls or (None, None)
         config = uvicorn.Config(
-            self.app, log_level=self.log_level, lifespan=self.lifespan, access_log=False, backlog=2048
+            self.app,
+            log_level=self.log_level,
+            lifespan=self.lifespan,
+            access_log=False,
+            backlog=2048,
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -49,7 +49,12 @@ class Recorder(Served):
     requests: list[Seen] = field(default_factory=list)
     fail_next: deque[int] = field(default_factory=deque)
     redirect_to: str | None = None
+    tls: tuple[str, str] | None = None  # (certificate file, key file): serve https
     _served: AsgiServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def clear(self) -> None:
         self.requests.clear()
@@ -73,7 +78,7 @@ class Recorder(Served):
 
     def start(self) -> Recorder:
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "PUT"])])
-        self._served = AsgiServer(app, host=self.host, port=self.port).__enter__()
+        self._served = AsgiServer(app, host=self.host, port=self.port, tls=self.tls).__enter__()
         self.port = self._served.port
         return self
 

@@ -1,16 +1,24 @@
 """collector-config.yaml: checked statically, since no collector binary can be installed here.
 
 A collector refuses to start when a pipeline names an undefined component, so that is checked for
-every pipeline, along with the ports the README documents and the processor order it relies on.
+every pipeline, along with the ports the README documents and the processor order it relies on. What
+the hashing does to grouping is checked here on OTLP attributes, and in tests/test_phoenix.py through
+a real Phoenix.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+import otel_session
+from tests.collector_standin import apply_actions, collector_hash, load_actions
 
 CONFIG = Path(__file__).resolve().parent.parent / "collector-config.yaml"
 SESSION_KEYS = {"session.id", "gen_ai.conversation.id", "otel_session.parent_session_id"}
@@ -70,3 +78,55 @@ def test_exports_to_debug_file_and_an_otlp_backend(config: dict[str, Any]) -> No
     types = {exporter.split("/")[0] for pipeline in pipelines for exporter in pipeline["exporters"]}
     assert {"debug", "file"} <= types
     assert types & {"otlp", "otlp_grpc", "otlphttp", "otlp_http"}
+
+
+def test_a_pipeline_exports_to_phoenix_over_otlp_http(config: dict[str, Any]) -> None:
+    exporters = [
+        (name, exporter)
+        for pipeline in _pipelines(config).values()
+        for exporter in pipeline["exporters"]
+        for name in [exporter.split("/")[0]]
+        if name in ("otlp_http", "otlphttp") and exporter.endswith("/phoenix")
+    ]
+    assert len(exporters) == 1, exporters
+    endpoint = urlsplit(config["exporters"][exporters[0][1]]["endpoint"])
+    # Phoenix's UI port takes OTLP/HTTP; the exporter appends /v1/traces itself.
+    assert (endpoint.scheme, endpoint.hostname, endpoint.port, endpoint.path) == (
+        "http",
+        "localhost",
+        6006,
+        "",
+    )
+
+
+def _span(attributes: dict[str, str]) -> list[KeyValue]:
+    return [KeyValue(key=key, value=AnyValue(string_value=value)) for key, value in attributes.items()]
+
+
+def test_hashing_keeps_a_trajectorys_spans_together_and_siblings_apart() -> None:
+    """The config's own actions on spans as otel-session writes them: the same grouping, no readable ID."""
+    actions = load_actions()
+    spans = []
+    for _ in range(2):  # two siblings, each with a nested trajectory (a tool call, say)
+        with otel_session.trajectory() as outer, otel_session.trajectory() as inner:
+            assert outer.session_id is not None and inner.session_id is not None
+            root = {"session.id": outer.session_id, "gen_ai.conversation.id": outer.session_id}
+            spans.append((outer.session_id, _span(root)))
+            spans.append((outer.session_id, _span({"session.id": outer.session_id, "http.method": "POST"})))
+            nested = {"session.id": inner.session_id, "otel_session.parent_session_id": outer.session_id}
+            spans.append((inner.session_id, _span(nested)))
+    raw = {session for session, _ in spans}
+    grouped: dict[str, set[str]] = defaultdict(set)
+    for session, attributes in spans:
+        apply_actions(actions, attributes)
+        values = {pair.key: pair.value.string_value for pair in attributes}
+        grouped[values["session.id"]].add(session)
+        assert not raw & set(values.values()), values  # no ID is readable after the processor
+        assert values.get("http.method", "POST") == "POST"  # other attributes pass untouched
+        if "gen_ai.conversation.id" in values:
+            assert values["gen_ai.conversation.id"] == values["session.id"]
+        if "otel_session.parent_session_id" in values:
+            assert values["otel_session.parent_session_id"] in grouped  # still names its parent's group
+    assert len(grouped) == len(raw) == 4  # one group per trajectory: none merged, none split
+    assert all(len(sessions) == 1 for sessions in grouped.values())
+    assert set(grouped) == {collector_hash(session) for session in raw}

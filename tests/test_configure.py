@@ -18,7 +18,7 @@ def test_environment_is_read_when_arguments_are_missing(
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", f" , {dynamo.authority} ,, other:1 ")
     monkeypatch.setenv("OTEL_SESSION_TRUSTED_HOSTS", "gym-agent:9000")
     settings = otel_session.configure()
-    assert [p.host for p in settings.rules.dynamo] == ["127.0.0.1", "other"]
+    assert [p.host for _, p in settings.rules.routes] == ["127.0.0.1", "other"]
     assert [(p.host, p.port) for p in settings.rules.trusted] == [("gym-agent", 9000)]
     assert settings.tracing is False
     with otel_session.trajectory() as traj:

@@ -6,6 +6,7 @@ These tests exercise the stack, not the library, so they set ``X-Dynamo-Session-
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,16 +24,16 @@ from otel_session.dynamo import (
     DynamoStartError,
     LocalDynamo,
     cached_tokens_of,
+    ensure_model_dir,
+    reserve_port,
     ttft_ms_of,
     worker_id_of,
 )
-from otel_session.dynamo._broker import _group_members
-from otel_session.dynamo._model import REQUIRED_FILES, ensure_model_dir
-from tests.dynamo_fixtures import make_dynamo_fixture
+from tests.dynamo_fixtures import dynamo_python_for, make_dynamo_fixture
 
 openai = pytest.importorskip("openai")
 
-# Our own stack: these tests stop a worker, so they must not share the session-wide one.
+# A stack of this module's own; the tests that stop workers start their own stacks.
 stack = make_dynamo_fixture(scope="module", workers=4, router_mode="round-robin", affinity_ttl_secs=300)
 
 SESSIONS = [f"sess-{i}" for i in range(5)]  # odd: even counts can look pinned under round-robin
@@ -57,6 +58,24 @@ def _ask(dyn: LocalDynamo, session: str | None, base_url: str | None = None) -> 
     return dyn.worker_index(worker_id)
 
 
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, read from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
 def _alive(pid: int) -> bool:
     """Running (not a zombie: orphans wait for init to reap them, which may lag)."""
     try:
@@ -78,7 +97,7 @@ def test_model_dir_is_built_once_even_concurrently(tmp_path: Path) -> None:
     assert len(outs) == 1
     model = Path(outs.pop())
     assert [p.name for p in tmp_path.iterdir()] == [model.name]  # no temp dirs left behind
-    assert all((model / f).is_file() for f in REQUIRED_FILES)
+    assert all((model / f).is_file() for f in MODEL_FILES)
     assert "chat_template" in json.loads((model / "tokenizer_config.json").read_text())
     assert ensure_model_dir(tmp_path) == model
 
@@ -128,7 +147,15 @@ def test_affinity_pins_sessions_and_spreads_them(stack: LocalDynamo) -> None:
     assert len({_ask(stack, None) for _ in range(4)}) > 1
 
 
-def test_sigterm_worker_rebinds_session(stack: LocalDynamo) -> None:
+def test_sigterm_worker_rebinds_session() -> None:
+    stack = LocalDynamo(workers=3).start()  # its own: a damaged stack must not be any other test's
+    try:
+        _rebinds_after_sigterm(stack)
+    finally:
+        stack.stop()
+
+
+def _rebinds_after_sigterm(stack: LocalDynamo) -> None:
     session = "sess-failover"
     first = {_ask(stack, session) for _ in range(3)}
     assert len(first) == 1
@@ -141,18 +168,23 @@ def test_sigterm_worker_rebinds_session(stack: LocalDynamo) -> None:
     assert all(_ask(stack, s) != victim for s in SESSIONS)  # other sessions keep working too
 
 
-def test_stop_leaves_nothing_behind(stack: LocalDynamo) -> None:
-    assert stack.broker is not None and stack.run_dir is not None
-    pids, pgid, run_dir, port = stack.pids, stack.broker.pid, stack.run_dir, stack.port
-    running = [p.pid for p in [stack.broker, *stack.workers, *stack.frontends] if p.running()]
-    assert sorted(_group_members(pgid)) == sorted(running)  # the group holds exactly our processes
-    stack.stop()
-    assert not run_dir.exists()
-    assert not any(_alive(p) for p in pids)
-    assert _group_members(pgid) == []
-    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-        pass
-    stack.stop()  # idempotent
+def test_stop_leaves_nothing_behind() -> None:
+    """Its own stack (so no other test's stack is stopped under it), one worker already stopped."""
+    stack = LocalDynamo(workers=2).start()
+    try:
+        stack.stop_worker(1)
+        assert stack.broker is not None and stack.run_dir is not None
+        pids, pgid, run_dir, port = stack.pids, stack.broker.pid, stack.run_dir, stack.port
+        running = [p.pid for p in [stack.broker, *stack.workers, *stack.frontends] if p.running()]
+        assert sorted(_group_members(pgid)) == sorted(running)  # the group holds exactly our processes
+        stack.stop()
+        assert not run_dir.exists()
+        assert not any(_alive(p) for p in pids)
+        assert _group_members(pgid) == []
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass
+    finally:
+        stack.stop()  # idempotent: a no-op when the test got this far
 
 
 def test_affinity_is_shared_between_two_frontends(local_dynamo_factory: Callable[..., LocalDynamo]) -> None:
@@ -199,3 +231,70 @@ def test_watchdog_cleans_up_when_owner_is_killed(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert not any(_alive(p) for p in info["pids"])
     assert not Path(info["run_dir"]).exists()
+
+
+def _ephemeral_low() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
+def test_reserved_ports_are_distinct_across_processes_and_outside_the_kernels_range() -> None:
+    code = "from otel_session.dynamo import reserve_port; print(*(reserve_port() for _ in range(25)))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(4)
+    ]
+    ports = [int(p) for proc in procs for p in proc.communicate(timeout=60)[0].split()]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert len(ports) == len(set(ports)) == 100  # no two callers got the same port
+    assert all(port < _ephemeral_low() for port in ports)  # bind(0) never hands these out
+    with socket.socket() as busy:  # a port somebody listens on is never handed out
+        busy.bind(("127.0.0.1", reserve_port()))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        assert taken not in {reserve_port() for _ in range(50)}
+
+
+def test_two_stacks_started_at_once_never_collide() -> None:
+    """Each process starts a stack at the same moment as the other, serves one request, stops."""
+    script = textwrap.dedent(
+        """
+        import json, openai
+        from otel_session.dynamo import LocalDynamo
+        with LocalDynamo(workers=2, startup_timeout=120) as dyn:
+            reply = openai.OpenAI(base_url=dyn.base_url, api_key="-", max_retries=0).chat.completions.create(
+                model=dyn.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            print(json.dumps({"port": dyn.port, "ok": bool(reply.choices)}))
+        """
+    )
+    for _ in range(2):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for _ in range(2)
+        ]
+        outs = [proc.communicate(timeout=180) for proc in procs]
+        assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outs]
+        results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+        assert all(r["ok"] for r in results)
+        assert results[0]["port"] != results[1]["port"]
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_the_frontend_gets_the_flags_its_version_has(versioned_dynamo_stack: LocalDynamo) -> None:
+    """1.3.0.post1 has no ``--router-session-affinity-mode`` (it would refuse to start); 1.6.1 gets it."""
+    args = _cmdline(versioned_dynamo_stack.frontends[0].pid)
+    assert args[args.index("--router-session-affinity-ttl-secs") + 1] == "300"
+    has_mode = "--router-session-affinity-mode" in args
+    assert has_mode == (versioned_dynamo_stack.dynamo_version != "1.3.0.post1")
+    assert _ask(versioned_dynamo_stack, "sess-version") == _ask(versioned_dynamo_stack, "sess-version")
+
+
+def test_a_mode_the_version_lacks_is_refused_before_anything_starts() -> None:
+    dyn = LocalDynamo(workers=1, affinity_mode="soft", python=dynamo_python_for("1.3.0.post1"))
+    with pytest.raises(ValueError, match="no --router-session-affinity-mode"):
+        dyn.start()
+    assert dyn.pids == [] and dyn.run_dir is None

@@ -25,9 +25,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import otel_session
-from otel_session import SESSION_HEADER, _clients, _faults, _propagator, servers
+from otel_session import SESSION_HEADER, _carriers, _faults, _propagator, servers
 from otel_session._hosts import HostRules
-from otel_session._propagator import SessionPropagator
 from tests.clients import CLIENTS, send
 from tests.gym_servers import AsgiServer
 from tests.recorder import Recorder, wait_until
@@ -59,8 +58,7 @@ async def test_failing_host_rules_fail_no_request_and_are_logged_once(
     kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
-    monkeypatch.setattr(HostRules, "classify", _boom)
-    monkeypatch.setattr(HostRules, "classify_url", _boom)
+    monkeypatch.setattr(HostRules, "route", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     with otel_session.trajectory() as traj:
         for _ in range(REQUESTS):
@@ -76,13 +74,17 @@ async def test_failing_host_rules_fail_no_request_and_are_logged_once(
     assert len(_reports(caplog)) == 1
 
 
-@pytest.mark.parametrize("kind", ["httpx", "httpx-async", "openai", "openai-async"])
+@pytest.mark.parametrize("kind", ["aiohttp"])
 async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
     kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The restore runs after the response arrived: the user still gets it, with the session sent."""
+    """The restore runs after the response arrived: the user still gets it, with the session sent.
+
+    (httpx sends a copy of the request and has nothing to restore; aiohttp edits its own per-hop
+    ``ClientRequest`` and takes the headers back after the send.)
+    """
     otel_session.configure(dynamo_hosts=[dynamo.authority])
-    monkeypatch.setattr(_clients._Undo, "restore", _boom)
+    monkeypatch.setattr(_carriers, "restore", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     with otel_session.trajectory() as traj:
         for _ in range(REQUESTS):
@@ -97,7 +99,7 @@ async def test_a_failing_propagator_under_the_upstream_instrumentation_fails_not
 ) -> None:
     """The instrumentor injects through the global propagator (ours): its failure stays contained."""
     otel_session.configure(dynamo_hosts=[dynamo.authority])
-    monkeypatch.setattr(SessionPropagator, "destination_kind", _boom)
+    monkeypatch.setattr(_propagator, "plan", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     client = httpx.AsyncClient()
     HTTPXClientInstrumentor.instrument_client(client)
@@ -159,7 +161,7 @@ async def test_each_failing_place_is_logged_once_whatever_the_volume(
 ) -> None:
     """Two broken places, hundreds of requests through them: two warnings in all."""
     otel_session.configure(dynamo_hosts=[dynamo.authority])
-    monkeypatch.setattr(HostRules, "classify_url", _boom)
+    monkeypatch.setattr(HostRules, "route", _boom)
     monkeypatch.setattr(_propagator, "extract_session", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     async with httpx.AsyncClient() as client:
@@ -177,10 +179,36 @@ async def test_each_failing_place_is_logged_once_whatever_the_volume(
 # ---- what a partial failure still gets wrong ------------------------------------------------------
 
 
-def test_a_failure_midway_leaves_the_callers_request_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dynamo that is also trusted: the session header is added, then baggage injection fails."""
+def _fail_on_second_call(original: Any) -> Any:
+    calls = []
+
+    def write(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 2:
+            raise Boom("forced failure after the first header was added")
+        return original(*args, **kwargs)
+
+    return write
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_failure_midway_sends_the_callers_request_as_it_was(
+    kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo that is also trusted: the session header is added, then writing baggage fails."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[dynamo.authority])
+    monkeypatch.setattr(_carriers, "write", _fail_on_second_call(_carriers.write))
+    with otel_session.trajectory():
+        await send(kind, dynamo.url)
+    [seen] = dynamo.requests
+    assert seen.get(SESSION_HEADER) is None and seen.get("baggage") is None  # all of ours, or none
+
+
+def test_a_failure_midway_leaves_the_callers_request_object_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["dynamo.internal:8000"])
-    monkeypatch.setattr(_propagator._baggage, "inject", _boom)
+    monkeypatch.setattr(_carriers, "write", _fail_on_second_call(_carriers.write))
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200))) as client:
         request = client.build_request("GET", "http://dynamo.internal:8000/v1/models")
         with otel_session.trajectory():
@@ -188,16 +216,14 @@ def test_a_failure_midway_leaves_the_callers_request_as_it_was(monkeypatch: pyte
     assert SESSION_HEADER not in request.headers
 
 
-async def test_a_failing_header_removal_does_not_leak_the_session_to_a_redirect_target(
+async def test_a_failing_request_copy_does_not_leak_the_session_to_a_redirect_target(
     dynamo: Recorder, other: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     dynamo.redirect_to = other.url
-    monkeypatch.setattr(_propagator, "remove_header", _boom)
-    monkeypatch.setattr(_clients, "remove_header", _boom)
+    monkeypatch.setattr(_carriers, "copy_request", _boom)
     async with httpx.AsyncClient(follow_redirects=True) as client:
-        with otel_session.trajectory() as traj:
+        with otel_session.trajectory():
             (await client.get(f"{dynamo.url}/r/v1/models")).raise_for_status()
-    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
-    assert len(other.requests) == 1
+    assert len(dynamo.requests) == 1 and len(other.requests) == 1
     assert other.requests[0].get(SESSION_HEADER) is None

@@ -1,17 +1,18 @@
 """Hostile input, generated: inbound session headers and baggage, host patterns and destinations.
 
 Every header a server receives is attacker-controlled, and so is any URL a tool call is pointed at.
-Each generated target runs 10,000 cases in-process (the real extraction, propagator, host rules and
-client hooks; the clients over an in-memory transport, so their own code runs) and checks what must
-hold whatever the input:
+Each generated target runs 10,000 cases in-process (the real extraction, propagator, host rules,
+carrier adapters and client instrumentors; the clients over an in-memory transport, so their own
+code runs) and checks what must hold whatever the input:
 
 - nothing raises into the caller, except the documented ``ValueError`` naming a malformed host
   pattern; nothing is even swallowed by otel-session's own last-resort handlers (``_faults``);
 - a session header we emit is 1 to 256 characters of visible ASCII; no header we write holds CR,
   LF, NUL or anything but printable ASCII (``tracestate`` may hold a space, as W3C allows);
-- the session header reaches Dynamo hosts only and baggage trusted hosts only, judged by a separate,
-  deliberately plain oracle from where the client actually connects (its ``raw_host``), not from
-  otel-session's own normalization.
+- a router's session header reaches that router's hosts only (never another profile's header) and
+  baggage trusted hosts only, judged by a separate, deliberately plain oracle from where the client
+  actually connects (its ``raw_host``, scheme and port), not from otel-session's own normalization;
+- the carrier adapters edit every header type exactly as its own public API would.
 
 The loopback cases at the end send hostile headers through real servers (uvicorn + Starlette with
 ``otel_session.servers.SessionMiddleware``) that forward to a recording Dynamo.
@@ -27,6 +28,7 @@ import logging
 import os
 import re
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,27 +40,24 @@ import yarl
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from opentelemetry import baggage, propagate
 from opentelemetry import context as otel_context
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Route as StarletteRoute
 
 import otel_session
 from benchmarks._servers import canned_aiohttp_connector
-from otel_session import _faults, _settings
-from otel_session._clients import _Undo
-from otel_session._context import session_ids
-from otel_session._hosts import DYNAMO, NOTHING, TRUSTED, HostPattern, HostRules, parse_patterns
-from otel_session._propagator import (
-    SessionPropagator,
-    _carrier_kind,
-    extract_session,
-    inject_for,
-    inject_headers,
-    inject_ids,
-)
+from otel_session import _carriers, _faults, _settings
+from otel_session._context import HOP_KEY, session_ids
+from otel_session._hop import Hop, offer_for
+from otel_session._hosts import NOWHERE, HostPattern, HostRules, Route, parse_patterns
+from otel_session._policy import Offer, names_for, plan
+from otel_session._propagator import SessionPropagator, extract_session
+from otel_session._routers import BUILTIN, DYNAMO, Profile, profile_named
 from otel_session.servers import SessionMiddleware
 from tests.loopback import AsgiServer
 from tests.recorder import Recorder, wait_until
@@ -75,9 +74,29 @@ MANY = settings(
 SESSION_VALUE = re.compile(r"[\x21-\x7e]{1,256}")
 VISIBLE_VALUE = re.compile(r"[\x21-\x7e]+")
 PRINTABLE = re.compile(r"[\x20-\x7e]*")
-SESSION_NAMES = {"x-dynamo-session-id", "x-dynamo-parent-session-id"}
+VLLM = BUILTIN["vllm-router"]
+CUSTOM = profile_named("header:X-Custom-Key")
+PROFILES: tuple[Profile, ...] = (*BUILTIN.values(), CUSTOM)
+# Every router profile's headers: a destination may receive its own profile's and no other's.
+SESSION_NAMES = {
+    name.lower() for profile in PROFILES for name in (profile.session_header, profile.parent_header) if name
+}
 OURS = {*SESSION_NAMES, "baggage", "traceparent", "tracestate"}
-KINDS = (NOTHING, DYNAMO, TRUSTED, DYNAMO | TRUSTED)
+ROUTES = (
+    NOWHERE,
+    Route(DYNAMO),
+    Route(None, trusted=True),
+    Route(DYNAMO, trusted=True),
+    Route(VLLM),
+    Route(BUILTIN["smg"], trusted=True),
+    Route(CUSTOM),
+)
+_baggage_reader = W3CBaggagePropagator()
+
+
+def otel_baggage(header: str) -> dict[str, object]:
+    """``header`` as OpenTelemetry's own extractor reads it (not with otel-session's ``_w3c``)."""
+    return dict(baggage.get_all(_baggage_reader.extract({"baggage": header}, Context())))
 
 
 @pytest.fixture(autouse=True)
@@ -85,8 +104,10 @@ def _no_swallowed_faults(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Hostile input must be handled, not caught by the last-resort handlers (which would hide it)."""
     monkeypatch.setattr(_faults, "_reported", set())
     logging.getLogger("otel_session").setLevel(logging.ERROR)  # "no Dynamo hosts" hints
+    logging.getLogger("opentelemetry.baggage").setLevel(logging.CRITICAL)  # every malformed member
     yield
     logging.getLogger("otel_session").setLevel(logging.NOTSET)
+    logging.getLogger("opentelemetry.baggage").setLevel(logging.NOTSET)
     assert _faults._reported == set()
 
 
@@ -165,12 +186,20 @@ HEADER_NAMES = [
     "traceparent",
     "tracestate",
     "host",
+    "Host",
+    "X-Session-ID",
+    "x-smg-routing-key",
+    "X-Custom-Key",
 ]
 
 
 def inbound_headers() -> st.SearchStrategy[list[tuple[str, str]]]:
     """A request's header list: any names (ours in every casing), values, repeats, many headers."""
-    value = st.one_of(header_values(), baggage_values(), st.just(TRACEPARENT))
+    value = st.one_of(
+        header_values(),
+        baggage_values(),
+        st.sampled_from([TRACEPARENT, "dynamo.internal:8000", "gym.internal"]),
+    )
     pair = st.tuples(
         st.one_of(st.sampled_from(HEADER_NAMES), st.text(alphabet=VISIBLE, min_size=1, max_size=20)), value
     )
@@ -196,27 +225,41 @@ def _first_lower(pairs: list[tuple[str, str]], name: str) -> str | None:
     return values[0] if values else None
 
 
-def check_emitted(items: list[tuple[str, str]], kind: int, session: str | None) -> None:
-    """What one outbound request carries of ours, for a destination of ``kind``."""
+def check_emitted(items: list[tuple[str, str]], route: Route, session: str | None) -> None:
+    """What one outbound request carries of ours, for a destination of ``route``."""
+    profile = route.profile
+    own = (
+        set()
+        if profile is None
+        else {n.lower() for n in (profile.session_header, profile.parent_header) if n}
+    )
     for name, value in items:
         lower = name.lower()
         assert lower in OURS, name
         assert PRINTABLE.fullmatch(value), (name, value)
         if lower in SESSION_NAMES:
-            assert kind & DYNAMO, (name, kind)
+            assert lower in own, (name, route)
             assert SESSION_VALUE.fullmatch(value), value
         elif lower == "baggage":
-            assert kind & TRUSTED, kind
+            assert route.trusted, route
             assert VISIBLE_VALUE.fullmatch(value), value
+            assert len(value.encode()) <= 8192, len(value)
         else:
-            assert kind, (name, kind)
+            assert route, (name, route)
     sent = {name.lower(): value for name, value in items}
-    assert sent.get("x-dynamo-session-id") == (session if kind & DYNAMO else None)
+    if profile is not None:
+        assert sent.get(profile.session_header.lower()) == session, (route, sent)
+    if route.trusted and session is not None:
+        assert otel_baggage(sent.get("baggage", "")).get("session.id") == session, sent
 
 
 def test_inbound_headers_extract_and_reinject_cleanly() -> None:
-    """A server extracts whatever arrived; what it would forward anywhere is clean and where allowed."""
-    propagator = SessionPropagator(HostRules())
+    """A server extracts whatever arrived; what it would forward anywhere is clean and where allowed.
+
+    Forwarded through the propagator with the hop's route in the context, as the client hooks leave
+    it, for every kind of route; without a hop (any ``Host`` header notwithstanding) nothing is added.
+    """
+    propagator = SessionPropagator()
 
     @MANY
     @given(inbound_headers())
@@ -232,13 +275,17 @@ def test_inbound_headers_extract_and_reinject_cleanly() -> None:
             folded = carrier is carriers_of[0]
             if folded and given_session is not None and SESSION_VALUE.fullmatch(given_session.strip()):
                 assert session == given_session.strip()  # the first one, as ASGI servers fold them
-            for kind in KINDS:
+            for route in ROUTES:
                 as_dict: dict[str, str] = {}
-                inject_for(kind, as_dict, ctx)
-                check_emitted(list(as_dict.items()), kind, session)
+                propagator.inject(as_dict, otel_context.set_value(HOP_KEY, Hop(route, frozenset()), ctx))
+                check_emitted(list(as_dict.items()), route, session)
+            everywhere = Route(DYNAMO, trusted=True)
             as_httpx = httpx.Headers()
-            inject_for(DYNAMO | TRUSTED, as_httpx, ctx)
-            check_emitted(as_httpx.multi_items(), DYNAMO | TRUSTED, session)
+            _carriers.apply(as_httpx, plan(everywhere, offer_for(ctx, False), {}))
+            check_emitted(as_httpx.multi_items(), everywhere, session)
+        unknown = dict(pairs)  # may name "host: dynamo.internal:8000": still no destination
+        propagator.inject(unknown, ctx)
+        assert unknown == dict(pairs)
 
     check()
 
@@ -260,14 +307,19 @@ class Seen:
 
 
 def test_inbound_headers_forwarded_through_the_httpx_hook() -> None:
-    """A server in the middle forwards a hostile caller's session: clean, and to Dynamo only."""
-    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["gym.internal"])
+    """A server in the middle forwards a hostile caller's session: clean, and to its routers only."""
+    otel_session.configure(
+        dynamo_hosts=["dynamo.internal:8000"],
+        trusted_hosts=["gym.internal"],
+        routers={"vllm-router": ["vllm.internal:8000"]},
+    )
     seen = Seen()
     client = httpx.Client(transport=httpx.MockTransport(seen))
     targets = {
-        "http://dynamo.internal:8000/v1": DYNAMO,
-        "http://gym.internal/x": TRUSTED,
-        "http://tools.x/": NOTHING,
+        "http://dynamo.internal:8000/v1": Route(DYNAMO),
+        "http://vllm.internal:8000/v1": Route(VLLM),
+        "http://gym.internal/x": Route(None, trusted=True),
+        "http://tools.x/": NOWHERE,
     }
 
     @MANY
@@ -287,7 +339,8 @@ def test_inbound_headers_forwarded_through_the_httpx_hook() -> None:
         client.close()
 
 
-CARRIER_TYPES = ["httpx", "httpx2", "multidict"]
+CARRIER_TYPES = ["httpx", "httpx2", "multidict", "dict"]
+SAME_TRACE = f"{TRACEPARENT[:36]}1111111111111111-01"  # our trace, another span: ours to take back
 
 
 @st.composite
@@ -295,39 +348,131 @@ def existing_headers(draw: st.DrawFn) -> list[tuple[str, str]]:
     """A request's own headers, with ours in any casing: absent, present, or present with our values."""
     names = st.sampled_from([*HEADER_NAMES, "Content-Type", "Authorization", "X-Other"])
     values = st.one_of(
-        st.sampled_from(["sess-a", "parent-b", "session.id=sess-a", "x"]), st.text(VISIBLE, max_size=8)
+        st.sampled_from(
+            ["sess-a", "parent-b", "session.id=sess-a", "x", "a,b", "tenant=acme, session.id=sess-a"]
+        ),
+        st.sampled_from([TRACEPARENT, SAME_TRACE, " session.id=sess%2Da ", "café", "k=é"]),
+        st.text(VISIBLE, max_size=8),
     )
     return draw(st.lists(st.tuples(names, values), max_size=8))
 
 
-def test_the_hooks_fast_path_writes_exactly_what_the_general_one_does() -> None:
-    """``inject_headers`` (the hooks' shortcut) against ``inject_ids`` on the same input, and undo."""
+@st.composite
+def hop_offers(draw: st.DrawFn) -> Offer:
+    """What a trajectory offers a hop: a session (maybe a parent) in its baggage, maybe a span."""
+    session = draw(st.sampled_from([None, "sess-a", "sess-c"]))
+    parent = draw(st.sampled_from([None, "parent-b"])) if session is not None else None
+    entries: dict[str, object] = dict(draw(st.lists(st.sampled_from([("tenant", "a b"), ("k", "é")]))))
+    if session is not None:
+        entries["session.id"] = session
+        if parent is not None:
+            entries["session.parent_id"] = parent
+    return Offer(session, parent, entries, draw(st.sampled_from([None, TRACEPARENT])))
 
-    def build(kind: str, pairs: list[tuple[str, str]]) -> Any:
-        return {"httpx": httpx.Headers, "httpx2": httpx2.Headers, "multidict": CIMultiDict}[kind](pairs)
 
-    def items(headers: Any) -> list[tuple[str, str]]:
-        return list(headers.multi_items() if hasattr(headers, "multi_items") else headers.items())
+def build_carrier(kind: str, pairs: list[tuple[str, str]]) -> Any:
+    if kind == "dict":
+        return dict(pairs)  # names in any casing, side by side
+    if kind == "multidict":
+        return CIMultiDict(pairs)
+    module = httpx if kind == "httpx" else httpx2
+    return module.Headers([(name.encode(), value.encode()) for name, value in pairs])
 
-    session_ids_ = st.one_of(st.none(), st.sampled_from(["sess-a", "sess-c"]))
-    parents = st.one_of(st.none(), st.just("parent-b"))
+
+def apply_publicly(carrier: Any, edits: list[tuple[str, str | None]]) -> None:
+    """The edits as each carrier's own public API makes them: the reference for the adapters."""
+    for name, value in edits:
+        if isinstance(carrier, dict):
+            for key in [key for key in carrier if key.lower() == name.lower()]:
+                del carrier[key]
+            if value is not None:
+                carrier[name] = value
+        elif isinstance(carrier, CIMultiDict):
+            if value is None:
+                carrier.popall(name, None)
+            else:
+                carrier[name] = value
+        elif value is None:
+            if name in carrier:
+                del carrier[name]
+        else:
+            carrier[name] = value
+
+
+def header_multiset(carrier: Any) -> Counter[tuple[Any, Any]]:
+    return Counter(carrier.raw if isinstance(carrier, (httpx.Headers, httpx2.Headers)) else carrier.items())
+
+
+def present(carrier: Any, name: str) -> bool:
+    if isinstance(carrier, dict):
+        return any(key.lower() == name for key in carrier)
+    return name in carrier
+
+
+def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
+    """``_carriers`` (httpx's fast path included) against each carrier type's public API.
+
+    For random headers, routes and offers: what ``read`` finds is what the carrier holds, and applying
+    ``plan``'s edits through the adapter, to the carrier or to the hop's copy of it, gives the same
+    headers (as a multiset: the fast path appends where ``Headers.__setitem__`` replaces in place);
+    the copy leaves the caller's headers exactly as they were.
+    """
+    assert _carriers.kind_of(httpx.Headers()) == _carriers.kind_of(httpx2.Headers()) == _carriers._ENTRIES
 
     @MANY
-    @given(existing_headers(), st.sampled_from(KINDS), session_ids_, parents, st.sampled_from(CARRIER_TYPES))
+    @given(
+        existing_headers(),
+        st.sampled_from(CARRIER_TYPES),
+        st.sampled_from(ROUTES),
+        hop_offers(),
+        st.booleans(),
+        st.sets(st.sampled_from(["baggage", "traceparent", "x-dynamo-session-id"])),
+    )
     def check(
-        pairs: list[tuple[str, str]], kind: int, session: str | None, parent: str | None, carrier: str
+        pairs: list[tuple[str, str]],
+        kind: str,
+        route: Route,
+        offer: Offer,
+        callers_only: bool,
+        replaceable: set[str],
     ) -> None:
-        parent = parent if session is not None else None
-        fast, general = build(carrier, pairs), build(carrier, pairs)
-        _carrier_kind(general)  # the shortcut knows a carrier type once seen, as after a first request
-        fast_undo, general_undo = _Undo(), _Undo()
-        if not inject_headers(kind, fast, fast_undo.changes, session, parent):
-            return  # not its case: the hooks go the general way
-        inject_ids(kind, general, Context(), general_undo, session, parent)
-        assert items(fast) == items(general)
-        assert fast_undo.changes == general_undo.changes
-        fast_undo.restore(fast)
-        assert items(fast) == items(build(carrier, pairs))
+        carrier, reference = build_carrier(kind, pairs), build_carrier(kind, pairs)
+        names = names_for(route)
+        held = _carriers.read(carrier, names)
+        assert set(held) == {name for name in names if present(reference, name)}, (held, pairs)
+        edits = plan(route, offer, held, callers_only=callers_only, replaceable=frozenset(replaceable))
+        if kind != "dict":
+            before = list(header_multiset(carrier).elements())
+            copy = _carriers.copy_headers(carrier)
+            _carriers.apply(copy, edits)
+            assert list(header_multiset(carrier).elements()) == before  # the caller's, untouched
+        else:
+            copy = None
+        _carriers.apply(carrier, edits)
+        apply_publicly(reference, edits)
+        assert header_multiset(carrier) == header_multiset(reference), (pairs, edits)
+        if copy is not None:
+            assert header_multiset(copy) == header_multiset(reference), (pairs, edits)
+        for name in names:
+            assert present(carrier, name) == present(reference, name)
+
+    check()
+
+
+def test_snapshot_and_restore_put_a_multidict_back_exactly() -> None:
+    """aiohttp's hop: ``ClientRequest.headers`` edited for one send, then restored to the caller's
+    items exactly (names as spelt, values, order), whatever the edits were."""
+
+    @MANY
+    @given(existing_headers(), st.sampled_from(ROUTES), hop_offers(), st.booleans())
+    def check(pairs: list[tuple[str, str]], route: Route, offer: Offer, callers_only: bool) -> None:
+        headers = CIMultiDict(pairs)
+        edits = plan(route, offer, _carriers.read(headers, names_for(route)), callers_only=callers_only)
+        saved = _carriers.snapshot(headers)
+        _carriers.apply(headers, edits)
+        headers.add("Connection", "keep-alive")  # what aiohttp's send adds meanwhile stays, after them
+        _carriers.restore(headers, saved, [name for name, _ in edits])
+        assert list(headers.items()) == [*pairs, ("Connection", "keep-alive")], edits
 
     check()
 
@@ -341,8 +486,10 @@ DYNAMO_PATTERNS = [
     "[fd00::1]:8000",
     "bücher.example:8000",
     "strasse.example:8000",
+    "https://secure.dynamo.example",  # a URL pattern keeps its scheme, and its default port
+    "http://plain.dynamo.example:8080/v1",
 ]
-TRUSTED_PATTERNS = ["gym.internal", "*.trusted.example:8443"]
+TRUSTED_PATTERNS = ["gym.internal", "*.trusted.example:8443", "https://tls.gym.example/"]
 DYNAMO_EXACT = {
     ("dynamo.internal", 8000),
     ("10.1.2.3", 8000),
@@ -350,6 +497,9 @@ DYNAMO_EXACT = {
     ("xn--bcher-kva.example", 8000),
     ("strasse.example", 8000),
 }
+# (host, scheme, port) the URL patterns above mean, and nothing else
+DYNAMO_URLS = {("secure.dynamo.example", "https", 443), ("plain.dynamo.example", "http", 8080)}
+TRUSTED_URLS = {("tls.gym.example", "https", 443)}
 DEFAULT_PORT = {"http": 80, "https": 443}
 
 HOST_BASES = [
@@ -378,6 +528,9 @@ HOST_BASES = [
     "fd00::2",
     "::ffff:10.1.2.3",
     "127.0.0.1",
+    "secure.dynamo.example",
+    "plain.dynamo.example",
+    "tls.gym.example",
 ]
 # dotless i, Cyrillic a and ie, ideographic full stop
 LOOKALIKE = {"o": "0", "i": "\u0131", "l": "1", "a": "\u0430", "e": "\u0435", "m": "rn", ".": "\u3002"}
@@ -424,7 +577,7 @@ def urls(draw: st.DrawFn) -> str:
     host = draw(hosts())
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    port = draw(st.one_of(st.none(), st.sampled_from([8000, 80, 443, 8443]), st.integers(1, 65535)))
+    port = draw(st.one_of(st.none(), st.sampled_from([8000, 80, 443, 8443, 8080]), st.integers(1, 65535)))
     return f"{scheme}://{userinfo}{host}{'' if port is None else f':{port}'}/v1/chat/completions"
 
 
@@ -445,9 +598,18 @@ def oracle(raw_host: str, port: int | None, scheme: str) -> tuple[bool, bool, bo
         well_formed = True
     except ValueError:
         well_formed = all(LDH_LABEL.fullmatch(label) for label in host.split("."))
-    port = port if port is not None else DEFAULT_PORT[scheme.lower()]
-    dynamo = (host, port) in DYNAMO_EXACT or host.endswith(".dynamo.svc.cluster.local")
-    trusted = host == "gym.internal" or (host.endswith(".trusted.example") and port == 8443)
+    scheme = scheme.lower()
+    port = port if port is not None else DEFAULT_PORT[scheme]
+    dynamo = (
+        (host, port) in DYNAMO_EXACT
+        or host.endswith(".dynamo.svc.cluster.local")
+        or (host, scheme, port) in DYNAMO_URLS
+    )
+    trusted = (
+        host == "gym.internal"
+        or (host.endswith(".trusted.example") and port == 8443)
+        or (host, scheme, port) in TRUSTED_URLS
+    )
     return dynamo, trusted, well_formed
 
 
@@ -582,6 +744,45 @@ def test_idna_deviation_characters_do_not_redirect_the_session() -> None:
     check_delivery(seen.headers, seen.raw_host, seen.port, seen.scheme, traj.session_id)
 
 
+def test_a_baggage_value_with_no_utf8_form_costs_no_request_its_session() -> None:
+    """Application baggage is anything ``baggage.set_baggage`` took, a lone surrogate included: that
+    member cannot be written, and the request still carries the session (and no fault is logged)."""
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["dynamo.internal"])
+    seen = Seen()
+    with httpx.Client(transport=httpx.MockTransport(seen)) as client, otel_session.trajectory() as traj:
+        token = otel_context.attach(baggage.set_baggage("note", "\ud800"))
+        try:
+            client.get("http://dynamo.internal:8000/v1")
+        finally:
+            otel_context.detach(token)
+    sent = {name.lower(): value for name, value in seen.headers}
+    assert sent.get("x-dynamo-session-id") == traj.session_id, sent
+    assert otel_baggage(sent.get("baggage", "")).get("session.id") == traj.session_id, sent
+
+
+def test_aiohttp_gives_back_the_callers_headers_exactly() -> None:
+    """After the hop, aiohttp's record of the request (``request_info.headers``, what a middleware
+    re-sends) holds the caller's headers as they set them: names as spelt, in their order."""
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["gym.internal"])
+    heads: list[bytes] = []
+    caller = [("Baggage", "tenant=acme"), ("X-Other", "1")]
+
+    async def send() -> list[tuple[str, str]]:
+        connector = canned_aiohttp_connector(on_request=heads.append)
+        async with (
+            aiohttp.ClientSession(connector=connector) as session,
+            session.get("http://gym.internal/x", headers=CIMultiDict(caller)) as response,
+        ):
+            await response.read()
+            ours = {"baggage", "x-other"}
+            return [(k, v) for k, v in response.request_info.headers.items() if k.lower() in ours]
+
+    with otel_session.trajectory() as traj:
+        recorded = asyncio.run(send())
+    assert f"tenant=acme,session.id={traj.session_id}".encode() in heads[0]  # merged on the wire
+    assert recorded == caller
+
+
 # ---- host patterns and rules -------------------------------------------------------------------
 
 LABELS = [
@@ -641,27 +842,35 @@ def _spell(draw: st.DrawFn, name: str) -> str:
     return spelled[how % 4] + ("." if how >= 4 else "")
 
 
+Spec = tuple[str, "str | None", bool, "int | None", "str | None"]
+
+
 @st.composite
-def pattern_specs(draw: st.DrawFn) -> tuple[str, str | None, bool, int | None]:
-    """(pattern text, canonical host, wildcard, port) built together, so the oracle knows the meaning."""
+def pattern_specs(draw: st.DrawFn) -> Spec:
+    """(pattern text, canonical host, wildcard, port, scheme) built together: the oracle knows the meaning.
+
+    A URL pattern means its scheme and its port, the scheme's default when none is written (ws and wss
+    count as http and https); a pattern without a scheme means any scheme.
+    """
     port = draw(st.one_of(st.none(), st.sampled_from([80, 443, 8000]), st.integers(1, 65535)))
     suffix = "" if port is None else f":{port}"
+    url = draw(st.sampled_from([None, None, "http", "https", "ws", "wss", "HTTPS"]))
+    scheme = None if url is None else {"ws": "http", "wss": "https"}.get(url.lower(), url.lower())
+    url_port = port if port is not None or scheme is None else DEFAULT_PORT[scheme]
     if draw(st.booleans()):
         spelling = draw(st.sampled_from(sorted(ADDRESSES)))
-        host = f"[{spelling}]" if ":" in spelling and (port is not None or draw(st.booleans())) else spelling
-        return host + suffix, ADDRESSES[spelling], False, port
+        bracket = ":" in spelling and (port is not None or url is not None or draw(st.booleans()))
+        host = f"[{spelling}]" if bracket else spelling
+        if url is not None:
+            return f"{url}://{host}{suffix}/v1", ADDRESSES[spelling], False, url_port, scheme
+        return host + suffix, ADDRESSES[spelling], False, port, None
     name = draw(names())
     assume(_canonical_name(name) is not None)  # patterns that must be refused: see the parse test
     wildcard = draw(st.booleans()) and not re.fullmatch(r"[0-9.]+", name)  # "*." needs a domain name
-    written = _spell(draw, name)
-    if not wildcard and port is not None and draw(st.booleans()):
-        return (
-            f"{draw(st.sampled_from(['http', 'https']))}://{written}{suffix}/",
-            _canonical_name(name),
-            False,
-            port,
-        )
-    return ("*." if wildcard else "") + written + suffix, _canonical_name(name), wildcard, port
+    written = ("*." if wildcard else "") + _spell(draw, name)
+    if url is not None:
+        return f"{url}://{written}{suffix}/", _canonical_name(name), wildcard, url_port, scheme
+    return written + suffix, _canonical_name(name), wildcard, port, None
 
 
 @st.composite
@@ -702,52 +911,64 @@ def destinations(draw: st.DrawFn) -> tuple[str, str | None, int | None]:
     return junk, None, port
 
 
-def _oracle_match(spec: tuple[str, str | None, bool, int | None], host: str | None, port: int | None) -> bool:
-    _, pattern_host, wildcard, pattern_port = spec
+FAMILY = {"http": "http", "https": "https", "ws": "http", "wss": "https"}
+
+
+def _oracle_match(spec: Spec, host: str | None, scheme: str, port: int | None) -> bool:
+    _, pattern_host, wildcard, pattern_port, pattern_scheme = spec
+    family = FAMILY.get(scheme)
+    if port is None and family is not None:
+        port = DEFAULT_PORT[family]
     if host is None or pattern_host is None or (pattern_port is not None and port != pattern_port):
+        return False
+    if pattern_scheme is not None and family != pattern_scheme:
         return False
     return host.endswith("." + pattern_host) if wildcard else host == pattern_host
 
 
+def _oracle_profile(
+    configured: list[tuple[Profile, Spec]], host: str | None, scheme: str, port: int | None
+) -> Any:
+    """The matching pattern that names the most (a host before a wildcard, then a port, then a
+    scheme); between equals the first configured."""
+    matching = [(profile, spec) for profile, spec in configured if _oracle_match(spec, host, scheme, port)]
+    if not matching:
+        return None
+    best = max((not spec[2], spec[3] is not None, spec[4] is not None) for _, spec in matching)
+    return next(p for p, spec in matching if (not spec[2], spec[3] is not None, spec[4] is not None) == best)
+
+
 def test_host_rules_agree_with_the_oracle() -> None:
-    """classify / classify_url / classify_authority against a matcher written from the spec alone."""
+    """``HostRules.route`` against a matcher written from the spec alone, two profiles and trusted hosts."""
 
     @MANY
     @given(
         st.lists(pattern_specs(), max_size=3),
         st.lists(pattern_specs(), max_size=2),
+        st.lists(pattern_specs(), max_size=2),
         destinations(),
-        st.sampled_from(["http", "https"]),
+        st.sampled_from(["http", "https", "ws", "wss", "ftp"]),
     )
     def check(
-        dynamo: list[tuple[str, str, bool, int | None]],
-        trusted: list[tuple[str, str, bool, int | None]],
+        dynamo: list[Spec],
+        vllm: list[Spec],
+        trusted: list[Spec],
         destination: tuple[str, str | None, int | None],
         scheme: str,
     ) -> None:
+        configured = [(DYNAMO, spec) for spec in dynamo] + [(VLLM, spec) for spec in vllm]
         rules = HostRules(
-            parse_patterns([spec[0] for spec in dynamo]), parse_patterns([spec[0] for spec in trusted])
+            [(profile, HostPattern.parse(spec[0])) for profile, spec in configured],
+            parse_patterns([spec[0] for spec in trusted]),
         )
         raw, canonical, port = destination
-
-        def expected(effective_port: int | None) -> int:
-            kind = NOTHING
-            if any(_oracle_match(spec, canonical, effective_port) for spec in dynamo):
-                kind |= DYNAMO
-            if any(_oracle_match(spec, canonical, effective_port) for spec in trusted):
-                kind |= TRUSTED
-            return kind
-
-        assert rules.classify(raw, port) == expected(port), (raw, port)
-        effective = port if port is not None else DEFAULT_PORT[scheme]
-        assert rules.classify_url(scheme, raw, port) == expected(effective)
-        assert rules.classify(raw, port) == expected(port)  # again, now from the cache
-        if canonical is not None:
-            bracketed = f"[{raw}]" if ":" in raw else raw
-            authority = bracketed if port is None else f"{bracketed}:{port}"
-            assert rules.classify_authority(authority) == expected(port), authority
-        elif raw == raw.strip():  # a Host header's surrounding whitespace is OWS, stripped by design
-            assert rules.classify_authority(raw) == NOTHING, raw
+        profile = _oracle_profile(configured, canonical, scheme, port)
+        is_trusted = any(_oracle_match(spec, canonical, scheme, port) for spec in trusted)
+        expected = Route(profile, is_trusted) if profile is not None or is_trusted else NOWHERE
+        assert rules.route(scheme, raw, port) == expected, (raw, scheme, port)
+        assert rules.route(scheme, raw, port) == expected  # again, now from the cache
+        if canonical is not None and ":" in canonical:
+            assert rules.route(scheme, f"[{raw}]", port) == expected  # as yarl may spell it
 
     check()
 
@@ -798,14 +1019,17 @@ def test_a_url_patterns_error_names_the_url() -> None:
 
 
 def test_a_port_is_ascii_digits() -> None:
-    """ "¹" passes ``isdigit`` and then fails ``int()`` unnamed (and, in a Host header, inside the
-    propagator); "٨٠٠٠" reads as 8000, so that Host header counts as Dynamo's."""
-    rules = HostRules(parse_patterns(["dynamo.internal:8000"]))
+    """ "¹" passes ``isdigit`` and then fails ``int()`` unnamed; "٨٠٠٠" would read as 8000. In a
+    ``Host`` header neither means anything: the propagator never takes a destination from a header."""
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"])
     for port in ("¹", "٨٠٠٠"):
         with pytest.raises(ValueError) as caught:
             HostPattern.parse(f"dynamo.internal:{port}")
         assert _named(caught.value, f"dynamo.internal:{port}"), str(caught.value)
-        assert rules.classify_authority(f"dynamo.internal:{port}") == NOTHING
+        carrier = {"host": f"dynamo.internal:{port}"}  # a Host header is never the destination
+        with otel_session.trajectory():
+            propagate.inject(carrier)
+        assert carrier == {"host": f"dynamo.internal:{port}"}
 
 
 def test_configure_with_a_bad_pattern_names_it_and_changes_nothing() -> None:
@@ -906,7 +1130,7 @@ async def test_hostile_headers_through_a_real_server_in_the_middle(
             await client.get(f"{dynamo.url}/v1/models")
         return JSONResponse({"session": otel_session.current_session_id()})
 
-    app = SessionMiddleware(Starlette(routes=[Route("/forward", forward)]))
+    app = SessionMiddleware(Starlette(routes=[StarletteRoute("/forward", forward)]))
     with _serve(app) as port:
         status, body = await asyncio.to_thread(_raw_request, port, raw)
     assert status in (200, 400), (status, body[:200])  # the HTTP parser may refuse it; never a crash

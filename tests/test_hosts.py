@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from otel_session._hosts import DYNAMO, NOTHING, TRUSTED, HostPattern, HostRules, parse_patterns
+from otel_session._hosts import NOWHERE, HostPattern, HostRules, Route, parse_patterns
+from otel_session._routers import BUILTIN, DYNAMO
+
+
+def dynamo_rules(patterns: list[str], trusted: list[str] | None = None) -> HostRules:
+    return HostRules([(DYNAMO, p) for p in parse_patterns(patterns)], parse_patterns(trusted or []))
+
 
 CASES = [
     # pattern, (scheme, host, port) -> matches?
@@ -32,8 +38,24 @@ CASES = [
     ("[::1]:8000", ("http", "::1", 8001), False),
     ("http://dynamo-frontend:8000/v1", ("http", "dynamo-frontend", 8000), True),
     ("http://dynamo-frontend:8000/v1", ("http", "dynamo-frontend", 9000), False),
-    ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", 9000), True),  # a URL without a port
+    ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", 80), True),  # a URL means its port
+    ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", None), True),
+    ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", 9000), False),
     ("https://dynamo", ("https", "dynamo", None), True),
+    ("https://dynamo", ("https", "dynamo", 443), True),
+    # A URL pattern keeps its scheme: a plain-http downgrade to the same host never matches.
+    ("https://dynamo.internal/v1", ("http", "dynamo.internal", 443), False),
+    ("https://dynamo.internal/v1", ("http", "dynamo.internal", None), False),
+    ("https://dynamo.internal/v1", ("http", "dynamo.internal", 8000), False),
+    ("https://dynamo.internal/v1", ("wss", "dynamo.internal", None), True),
+    ("https://dynamo.internal:8443/v1", ("https", "dynamo.internal", 8443), True),
+    ("https://dynamo.internal:8443/v1", ("http", "dynamo.internal", 8443), False),
+    ("http://*.svc.local:8000", ("http", "a.svc.local", 8000), True),
+    ("http://*.svc.local:8000", ("https", "a.svc.local", 8000), False),
+    # Without a scheme: any scheme, the port as written or any port.
+    ("dynamo.internal", ("https", "dynamo.internal", None), True),
+    ("dynamo.internal:8000", ("https", "dynamo.internal", 8000), True),
+    ("dynamo.internal:8000", ("http", "dynamo.internal", 8000), True),
     ("b\u00fccher.example", ("http", "xn--bcher-kva.example", None), True),
     ("stra\u00dfe.example", ("http", "xn--strae-oqa.example", None), True),  # IDNA 2008, as clients
     ("stra\u00dfe.example", ("http", "strasse.example", None), False),  # IDNA 2003 would say True
@@ -43,8 +65,8 @@ CASES = [
 
 @pytest.mark.parametrize(("pattern", "destination", "expected"), CASES)
 def test_pattern_matching(pattern: str, destination: tuple[str, str, int | None], expected: bool) -> None:
-    rules = HostRules(parse_patterns([pattern]))
-    assert (rules.classify_url(*destination) == DYNAMO) is expected
+    rules = dynamo_rules([pattern])
+    assert (rules.route(*destination) == Route(DYNAMO)) is expected
 
 
 @pytest.mark.parametrize(
@@ -81,23 +103,33 @@ def test_environment_list_ignores_blanks_and_whitespace() -> None:
 
 
 def test_a_host_can_be_dynamo_and_trusted() -> None:
-    rules = HostRules(parse_patterns(["both"]), parse_patterns(["both", "gym"]))
-    assert rules.classify_url("http", "both", None) == DYNAMO | TRUSTED
-    assert rules.classify_url("http", "gym", None) == TRUSTED
-    assert rules.classify_url("http", "else", None) == NOTHING
-    assert rules.classify_url("http", None, None) == NOTHING
+    rules = dynamo_rules(["both"], ["both", "gym"])
+    assert rules.route("http", "both", None) == Route(DYNAMO, trusted=True)
+    assert rules.route("http", "gym", None) == Route(None, trusted=True)
+    assert rules.route("http", "else", None) is NOWHERE
+    assert rules.route("http", None, None) is NOWHERE
+    assert not NOWHERE
 
 
-def test_host_header_without_a_port_does_not_match_a_pattern_with_one() -> None:
-    rules = HostRules(parse_patterns(["dynamo:443"]))
-    assert rules.classify_authority("dynamo") == NOTHING  # scheme unknown: send nothing
-    assert rules.classify_authority("dynamo:443") == DYNAMO
-    assert rules.classify_authority("[::1]:443") == NOTHING
-    assert rules.classify_authority("dynamo:99999") == NOTHING
+def test_one_profile_per_destination_the_narrower_pattern_wins() -> None:
+    vllm, smg = BUILTIN["vllm-router"], BUILTIN["smg"]
+    patterns = parse_patterns(["*.internal", "api.internal:8000", "api.internal"])
+    rules = HostRules([(vllm, patterns[0]), (smg, patterns[2]), (DYNAMO, patterns[1])])
+    assert rules.route("http", "api.internal", 8000).profile is DYNAMO  # exact host and port
+    assert rules.route("http", "api.internal", 9000).profile is smg  # exact host
+    assert rules.route("http", "other.internal", 9000).profile is vllm  # wildcard
+    tie = HostRules([(vllm, HostPattern("h")), (smg, HostPattern("h"))])
+    assert tie.route("http", "h", None).profile is vllm  # between equals, the first configured
+
+
+def test_unknown_schemes_never_match_a_pattern_that_names_one() -> None:
+    rules = dynamo_rules(["http://dynamo:8000"])
+    assert rules.route("ftp", "dynamo", 8000) is NOWHERE
+    assert dynamo_rules(["dynamo:8000"]).route("ftp", "dynamo", 8000) == Route(DYNAMO)
 
 
 def test_classification_cache_is_bounded() -> None:
-    rules = HostRules(parse_patterns(["dynamo"]))
+    rules = dynamo_rules(["dynamo"])
     for i in range(10_000):
-        rules.classify(f"h{i}.example", 80)
+        rules.route("http", f"h{i}.example", 80)
     assert len(rules._cache) <= 4096

@@ -3,78 +3,112 @@
 from __future__ import annotations
 
 import httpx
-import pytest
+from multidict import CIMultiDict
 from opentelemetry import baggage, context
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagate import get_global_textmap, inject
+from opentelemetry.propagators.composite import CompositePropagator
 
 import otel_session
-from otel_session._context import DESTINATION_KEY
-from otel_session._hosts import HostRules, parse_patterns
+from otel_session._context import HOP_KEY
+from otel_session._hop import Hop
+from otel_session._hosts import NOWHERE, Route
 from otel_session._propagator import SessionPropagator
+from otel_session._routers import BUILTIN, DYNAMO
 
-RULES = HostRules(parse_patterns(["dynamo:8000"]), parse_patterns(["gym"]))
-
-
-def test_destination_from_the_host_entry_of_an_httpx_header_copy() -> None:
-    propagator = SessionPropagator(RULES)
-    with otel_session.trajectory() as traj:
-        to_dynamo = httpx.Headers({"host": "dynamo:8000"})
-        to_other = httpx.Headers({"host": "dynamo:8001"})
-        propagator.inject(to_dynamo)
-        propagator.inject(to_other)
-    assert to_dynamo["x-dynamo-session-id"] == traj.session_id
-    assert dict(to_other) == {"host": "dynamo:8001"}
+TO_DYNAMO = Hop(Route(DYNAMO), frozenset())
+TO_GYM = Hop(Route(None, trusted=True), frozenset())
+TO_TOOL = Hop(NOWHERE, frozenset())
 
 
-def test_unknown_destination_gets_nothing() -> None:
-    """A plain dict (Ray's helper, a queue message) says nothing about where it goes."""
-    propagator = SessionPropagator(RULES)
-    carrier: dict[str, str] = {}
+def hop(where: Hop) -> context.Context:
+    return context.set_value(HOP_KEY, where)
+
+
+def test_a_host_header_is_never_the_destination() -> None:
+    """Without a hop in the context the destination is unknown, whatever the carrier's Host says."""
+    otel_session.configure(dynamo_hosts=["dynamo.internal"], trusted_hosts=["gym"])
+    propagator = SessionPropagator()
     with otel_session.trajectory():
-        propagator.inject(carrier)
-    assert carrier == {}
+        for carrier in (
+            httpx.Headers({"host": "dynamo.internal"}),
+            {"Host": "dynamo.internal"},
+            CIMultiDict({"Host": "gym"}),
+            {},
+        ):
+            before = list(carrier.items())
+            propagator.inject(carrier)
+            assert list(carrier.items()) == before
 
 
-def test_destination_from_the_context_wins() -> None:
-    propagator = SessionPropagator(RULES)
+def test_the_hop_in_the_context_decides() -> None:
+    propagator = SessionPropagator()
     with otel_session.trajectory() as traj:
-        carrier: dict[str, str] = {"Host": "elsewhere"}
-        ctx = context.set_value(DESTINATION_KEY, ("http", "gym", None))
-        propagator.inject(carrier, ctx)
-    assert carrier == {"Host": "elsewhere", "baggage": f"session.id={traj.session_id}"}  # gym is trusted
+        to_gym: dict[str, str] = {"Host": "elsewhere"}
+        propagator.inject(to_gym, hop(TO_GYM))
+        to_dynamo: dict[str, str] = {}
+        propagator.inject(to_dynamo, hop(TO_DYNAMO))
+        to_tool: dict[str, str] = {}
+        propagator.inject(to_tool, hop(TO_TOOL))
+    assert to_gym == {"Host": "elsewhere", "baggage": f"session.id={traj.session_id}"}
+    assert to_dynamo == {"X-Dynamo-Session-ID": traj.session_id}
+    assert to_tool == {}
+
+
+def test_each_profile_writes_only_its_own_header() -> None:
+    propagator = SessionPropagator()
     with otel_session.trajectory() as traj:
-        carrier = {}
-        propagator.inject(carrier, context.set_value(DESTINATION_KEY, ("http", "dynamo", 8000)))
-        assert carrier == {"X-Dynamo-Session-ID": traj.session_id}
+        for profile in BUILTIN.values():
+            carrier: dict[str, str] = {}
+            propagator.inject(carrier, hop(Hop(Route(profile), frozenset())))
+            assert carrier == {profile.session_header: traj.session_id}
 
 
-def test_a_copied_session_header_is_taken_back_for_another_host() -> None:
-    propagator = SessionPropagator(RULES)
+def test_a_hand_set_session_header_is_left_alone_everywhere() -> None:
+    propagator = SessionPropagator()
     with otel_session.trajectory() as traj:
         assert traj.session_id
-        leaked = httpx.Headers({"host": "evil.example", "X-Dynamo-Session-ID": traj.session_id})
-        handset = httpx.Headers({"host": "evil.example", "X-Dynamo-Session-ID": "mine"})
-        propagator.inject(leaked)
-        propagator.inject(handset)
-    assert "x-dynamo-session-id" not in leaked
-    assert handset["x-dynamo-session-id"] == "mine"
+        to_tool = httpx.Headers({"X-Dynamo-Session-ID": traj.session_id})
+        to_dynamo = httpx.Headers({"X-Dynamo-Session-ID": "mine"})
+        propagator.inject(to_tool, hop(TO_TOOL))
+        propagator.inject(to_dynamo, hop(TO_DYNAMO))
+    assert to_tool["x-dynamo-session-id"] == traj.session_id
+    assert to_dynamo["x-dynamo-session-id"] == "mine"
 
 
-def test_configure_installs_it_globally_and_it_follows_reconfiguration() -> None:
-    otel_session.configure(dynamo_hosts=["first"])
-    propagator = get_global_textmap()
-    assert isinstance(propagator, SessionPropagator)
-    otel_session.configure(dynamo_hosts=["second"])
+def test_stock_baggage_copies_are_taken_back_however_encoded() -> None:
+    """Composed after the stock baggage propagator, ours removes what it copied for another host."""
+    composite = CompositePropagator([W3CBaggagePropagator(), SessionPropagator()])
+    with otel_session.trajectory(session_id="episode:42/a%b+c,d;e"):
+        ctx = baggage.set_baggage("tenant", "acme")
+        to_tool: dict[str, str] = {}
+        composite.inject(to_tool, context.set_value(HOP_KEY, TO_TOOL, ctx))
+        to_gym: dict[str, str] = {}
+        composite.inject(to_gym, context.set_value(HOP_KEY, TO_GYM, ctx))
+    assert to_tool == {"baggage": "tenant=acme"}  # theirs stays, ours (session.id=episode%3A42...) goes
+    extracted = W3CBaggagePropagator().extract(to_gym)
+    assert baggage.get_all(extracted) == {"session.id": "episode:42/a%b+c,d;e", "tenant": "acme"}
+
+
+def test_a_callers_baggage_to_a_trusted_host_is_kept_and_ours_added() -> None:
+    propagator = SessionPropagator()
     with otel_session.trajectory() as traj:
-        first, second = {"host": "first"}, {"host": "second"}
-        inject(first)
-        inject(second)
-    assert first == {"host": "first"}
-    assert second["X-Dynamo-Session-ID"] == traj.session_id
+        carrier = {"baggage": "tenant=acme"}
+        propagator.inject(carrier, hop(TO_GYM))
+    assert carrier == {"baggage": f"tenant=acme,session.id={traj.session_id}"}
+
+
+def test_configure_installs_it_globally() -> None:
+    otel_session.configure(dynamo_hosts=["first"])
+    assert isinstance(get_global_textmap(), SessionPropagator)
+    with otel_session.trajectory() as traj:
+        carrier: dict[str, str] = {}
+        inject(carrier, hop(TO_DYNAMO))
+    assert carrier == {"X-Dynamo-Session-ID": traj.session_id}
 
 
 def test_extract_prefers_the_dynamo_header_and_drops_invalid_values() -> None:
-    propagator = SessionPropagator(RULES)
+    propagator = SessionPropagator()
     ctx = propagator.extract({"x-dynamo-session-id": "from-header", "baggage": "session.id=from-baggage,k=v"})
     assert baggage.get_baggage("session.id", ctx) == "from-header"
     assert baggage.get_baggage("k", ctx) == "v"
@@ -88,13 +122,15 @@ def test_extract_prefers_the_dynamo_header_and_drops_invalid_values() -> None:
     assert baggage.get_all(ctx) == {}
 
 
-def test_env_rules_when_not_configured(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "envhost")
+def test_with_an_explicit_session_header_the_parent_never_comes_from_baggage() -> None:
     propagator = SessionPropagator()
-    with otel_session.trajectory() as traj:
-        carrier = {"host": "envhost"}
-        propagator.inject(carrier)
-    assert carrier["X-Dynamo-Session-ID"] == traj.session_id
+    ctx = propagator.extract(
+        {"x-dynamo-session-id": "child", "baggage": "session.id=other,session.parent_id=from-baggage"}
+    )
+    assert baggage.get_baggage("session.id", ctx) == "child"
+    assert baggage.get_baggage("session.parent_id", ctx) is None
+    ctx = propagator.extract({"x-dynamo-session-id": "child", "x-dynamo-parent-session-id": "outer"})
+    assert baggage.get_baggage("session.parent_id", ctx) == "outer"
 
 
 def test_fields_name_everything_it_may_write() -> None:

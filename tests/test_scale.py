@@ -14,7 +14,7 @@ from opentelemetry import propagate
 
 import otel_session
 from benchmarks.scale import run_scale
-from otel_session import _faults, _propagator, _settings
+from otel_session import _carriers, _faults, _settings
 from otel_session._hosts import _CACHE_LIMIT
 
 TRAJECTORIES = 1_000
@@ -53,17 +53,19 @@ def test_per_destination_and_per_carrier_state_is_bounded() -> None:
     reported = set(_faults._reported)
     with otel_session.trajectory():
         for index in range(3 * _CACHE_LIMIT):
-            settings.rules.classify_url("http", f"host-{index}.example", 8000 + index % 7)
+            settings.rules.route("http", f"host-{index}.example", 8000 + index % 7)
             carrier: dict[str, str] = {"host": f"host-{index}.example"}  # through the propagator too
             propagate.inject(carrier)
             assert "X-Dynamo-Session-ID" not in carrier and "baggage" not in carrier
+            if index < 4 * 64:  # carrier types too: a new one each time, past the bound
+                _carriers.read(type(f"Carrier{index}", (dict,), {})(), ("baggage",))
     assert len(settings.rules._cache) <= _CACHE_LIMIT
-    assert len(_propagator._carrier_kinds) <= 64 and len(_propagator._entry_names) <= 64
+    assert len(_carriers._kinds) <= 64
     assert _faults._reported == reported
     gc.collect()
     blocks = sys.getallocatedblocks()
     with otel_session.trajectory():
         for index in range(3 * _CACHE_LIMIT, 6 * _CACHE_LIMIT):
-            settings.rules.classify_url("http", f"host-{index}.example", 8000)
+            settings.rules.route("http", f"host-{index}.example", 8000)
     gc.collect()
     assert sys.getallocatedblocks() - blocks < _CACHE_LIMIT  # the cache was already full: no growth

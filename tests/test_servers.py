@@ -24,8 +24,10 @@ from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
+from starlette.routing import Router
 from starlette.testclient import TestClient
 
 import otel_session
@@ -295,8 +297,12 @@ async def test_concurrent_requests_keep_their_sessions_apart(kind: str, dynamo: 
 # --- a server's own per-episode ID (NeMo-Gym keeps one in its cookie session) -------------------
 
 
-def gym_style_app(dynamo: Recorder, *, ours_innermost: bool = True) -> FastAPI:
-    """NeMo-Gym's setup: Starlette's signed cookie session, an ID minted on the first turn."""
+def gym_style_app(dynamo: Recorder, *, ours_innermost: bool = True, ours: bool = True) -> FastAPI:
+    """NeMo-Gym's setup: Starlette's signed cookie session, an ID minted on the first turn.
+
+    ``ours=False`` adds no otel-session middleware (the zero-code case); otherwise it goes innermost
+    or, wrongly, outermost.
+    """
     pytest.importorskip(
         "itsdangerous", reason="Starlette's cookie sessions (as NeMo-Gym uses) need itsdangerous"
     )
@@ -308,11 +314,11 @@ def gym_style_app(dynamo: Recorder, *, ours_innermost: bool = True) -> FastAPI:
         request.session["session_id"] = request.session.get("session_id", str(uuid.uuid4()))
         return await call_next(request)
 
-    if ours_innermost:  # registered first = runs last, after the ID exists
+    if ours and ours_innermost:  # registered first = runs last, after the ID exists
         app.add_middleware(SessionMiddleware, session_from=starlette_session("session_id"))
     app.add_middleware(BaseHTTPMiddleware, dispatch=add_session_id)
     app.add_middleware(StarletteSessionMiddleware, secret_key="gym-test", session_cookie="gym_session")
-    if not ours_innermost:
+    if ours and not ours_innermost:
         app.add_middleware(SessionMiddleware, session_from=starlette_session("session_id"))
 
     @app.post("/v1/responses/{token}")
@@ -326,9 +332,19 @@ def gym_style_app(dynamo: Recorder, *, ours_innermost: bool = True) -> FastAPI:
     return app
 
 
-async def test_gym_cookie_session_is_adopted_from_the_first_turn(dynamo: Recorder) -> None:
-    with AsgiServer(gym_style_app(dynamo)) as gym:
-        otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[gym.authority])
+@pytest.mark.parametrize("setup", ["by-hand", "zero-code"])
+async def test_gym_cookie_session_is_adopted_from_the_first_turn(
+    dynamo: Recorder, setup: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By hand: our middleware registered inside the session. Zero-code: none registered, the app
+    as NeMo-Gym builds it, ``servers=True`` and ``OTEL_SESSION_ADOPT`` put it innermost."""
+    zero_code = setup == "zero-code"
+    if zero_code:
+        monkeypatch.setenv("OTEL_SESSION_ADOPT", "session:session_id")
+    with AsgiServer(gym_style_app(dynamo, ours=not zero_code)) as gym:
+        otel_session.configure(
+            dynamo_hosts=[dynamo.authority], trusted_hosts=[gym.authority], servers=zero_code
+        )
         episodes = []
         for episode in range(2):
             async with httpx.AsyncClient(timeout=30) as agent:  # one cookie jar per episode
@@ -453,7 +469,10 @@ async def test_token_wrapper_forwards_session_unchanged_and_adds_none(client: st
 
 
 def _span_reporting_app() -> FastAPI:
-    app = FastAPI()
+    # FastAPI's own telemetry switches itself on once any test has set a global tracer provider (one
+    # per process) and starts a span of its own for the request, which would then be the current one
+    # instead of the instrumentation's: off here, so the result does not depend on earlier tests.
+    app = FastAPI(telemetry={"tracing": False})
     app.add_middleware(SessionMiddleware)
 
     @app.get("/span")
@@ -521,3 +540,189 @@ def test_websocket_passes_through_untouched() -> None:
 
     with TestClient(app) as client, client.websocket_connect("/ws", headers={SESSION: "ws-1"}) as socket:
         assert socket.receive_json() == {"session": None}  # http only, as documented
+
+
+# --- zero-code servers: configure(servers=True) instruments every app the process builds ----------
+
+
+def _session_middlewares(app: Any) -> int:
+    """How many otel-session middlewares a built Starlette stack holds (each layer wraps ``.app``)."""
+    count, layer = 0, app.middleware_stack
+    while layer is not None and not isinstance(layer, Router):
+        count += isinstance(layer, SessionMiddleware)
+        layer = getattr(layer, "app", None)
+    return count
+
+
+class StartStyleWrapper:
+    """NeMo-RL's token-wrapper shape: the FastAPI app exists only inside ``start()``."""
+
+    def __init__(self, dynamo: Recorder) -> None:
+        self.dynamo = dynamo
+        self.server: AsgiServer | None = None
+        self.app: FastAPI | None = None
+
+    def start(self) -> AsgiServer:
+        app = FastAPI()
+        dynamo_url = self.dynamo.url
+
+        @app.post("/v1/chat/completions")
+        async def proxy(request: Request) -> JSONResponse:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(f"{dynamo_url}/v1/chat/completions", data=await request.body()) as reply,
+            ):
+                await reply.read()
+            return JSONResponse({"session": otel_session.current_session_id()})
+
+        self.app = app
+        self.server = AsgiServer(app).__enter__()
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.__exit__(None, None, None)
+
+
+async def test_servers_true_instruments_an_app_built_inside_start(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority], servers=True)
+    wrapper = StartStyleWrapper(dynamo)
+    running = wrapper.start()
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            carried = await client.post(f"{running.url}/v1/chat/completions", headers={SESSION: "rl-1"})
+            plain = await client.post(f"{running.url}/v1/chat/completions")
+    finally:
+        wrapper.stop()
+    assert (carried.json(), plain.json()) == ({"session": "rl-1"}, {"session": None})
+    first, second = dynamo.requests
+    assert first.get(SESSION) == "rl-1"
+    assert not second.names() & OURS
+    assert wrapper.app is not None and _session_middlewares(wrapper.app) == 1
+
+
+@pytest.mark.parametrize("kind", ["fastapi", "aiohttp"])
+async def test_servers_true_never_doubles_a_hand_added_middleware(kind: str, dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority], servers=True)
+    with SERVERS[kind](dynamo, "aiohttp") as running:  # both add ours by hand
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = await client.post(f"{running.url}/forward/d1", headers={SESSION: "hand-1"})
+        if isinstance(running, AiohttpServer):
+            ours = [m for m in running.app.middlewares if otel_session.servers.is_session_middleware(m)]
+            assert len(ours) == 1
+        else:
+            assert _session_middlewares(running.app) == 1
+    assert reply.json()["session"] == "hand-1"
+    assert _one(dynamo, "d1").get(SESSION) == "hand-1"
+
+
+def _bare_aiohttp_app(dynamo: Recorder) -> web.Application:
+    """An aiohttp app that registers no middleware at all."""
+
+    async def forward(request: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as http, http.post(f"{dynamo.url}/req/{request.match_info['t']}"):
+            pass
+        return web.json_response({"session": otel_session.current_session_id()})
+
+    app = web.Application()
+    app.router.add_post("/forward/{t}", forward)
+    return app
+
+
+async def test_servers_true_instruments_a_bare_aiohttp_app_and_adopts_a_cookie(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_SESSION_ADOPT", "cookie:episode")
+    otel_session.configure(dynamo_hosts=[dynamo.authority], servers=True)
+    with AiohttpServer(_bare_aiohttp_app(dynamo)) as running:
+        async with httpx.AsyncClient(timeout=30) as client:
+            caller = await client.post(f"{running.url}/forward/a1", headers={SESSION: "caller-1"})
+            own = await client.post(
+                f"{running.url}/forward/a2", headers={SESSION: "caller-1", "Cookie": "episode=ep-9"}
+            )
+    assert (caller.json()["session"], own.json()["session"]) == ("caller-1", "ep-9")
+    assert [_one(dynamo, t).get(SESSION) for t in ("a1", "a2")] == ["caller-1", "ep-9"]
+
+
+async def test_servers_off_by_default_and_unconfigure_takes_the_hooks_away(dynamo: Recorder) -> None:
+    def build() -> Any:
+        app = FastAPI()
+
+        @app.get("/s")
+        async def current() -> dict[str, str | None]:
+            return {"session": otel_session.current_session_id()}
+
+        return app
+
+    async def session_seen(app: Any) -> str | None:
+        with AsgiServer(app) as running:
+            async with httpx.AsyncClient(timeout=30) as client:
+                reply = await client.get(f"{running.url}/s", headers={SESSION: "s-1"})
+        found: str | None = reply.json()["session"]
+        return found
+
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    assert await session_seen(build()) is None
+    otel_session.configure(dynamo_hosts=[dynamo.authority], servers=True)
+    assert await session_seen(build()) == "s-1"
+    otel_session.unconfigure()
+    assert await session_seen(build()) is None
+    assert "__init_subclass__" not in Starlette.__dict__
+    assert not hasattr(web.Application.pre_freeze, "__otel_session_original__")
+
+
+async def test_servers_true_covers_an_app_class_defined_after_configure(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority], servers=True)
+
+    class GatewayApp(FastAPI):
+        def build_middleware_stack(self) -> Any:  # its own override, calling FastAPI's
+            return super().build_middleware_stack()
+
+    app = GatewayApp()
+
+    @app.get("/s")
+    async def current() -> dict[str, str | None]:
+        return {"session": otel_session.current_session_id()}
+
+    with AsgiServer(app) as running:
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = await client.get(f"{running.url}/s", headers={SESSION: "late-1"})
+    assert reply.json() == {"session": "late-1"}
+    assert _session_middlewares(app) == 1
+
+
+@pytest.mark.parametrize("value", ["session", "session:", "cookie:two words", "header:x", "bogus"])
+async def test_a_bad_adopt_value_is_one_warning_and_the_server_still_serves(
+    value: str, dynamo: Recorder, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_SESSION_ADOPT", value)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        otel_session.configure(dynamo_hosts=[dynamo.authority], servers=True)
+    with AsgiServer(gym_style_app(dynamo, ours=False)) as gym:
+        async with httpx.AsyncClient(timeout=30) as agent:
+            reply = await agent.post(f"{gym.url}/v1/responses/bad-adopt", headers={SESSION: "caller-3"})
+    assert reply.status_code == 200
+    assert reply.json()["current"] == "caller-3"  # nothing adopted, the caller's session still counts
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "OTEL_SESSION_ADOPT" in warning and "session:KEY" in warning and "cookie:NAME" in warning
+    assert "\n" not in warning
+
+
+async def test_servers_variable_is_read_when_the_argument_is_left_out(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_SESSION_SERVERS", "sometimes")
+    with pytest.raises(ValueError, match="OTEL_SESSION_SERVERS"):
+        otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setenv("OTEL_SESSION_SERVERS", "on")
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    app = FastAPI()
+
+    @app.get("/s")
+    async def current() -> dict[str, str | None]:
+        return {"session": otel_session.current_session_id()}
+
+    with AsgiServer(app) as running:
+        async with httpx.AsyncClient(timeout=30) as client:
+            reply = await client.get(f"{running.url}/s", headers={SESSION: "env-1"})
+    assert reply.json() == {"session": "env-1"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -62,14 +63,15 @@ def _clean() -> Iterator[None]:
     otel_session.unconfigure()
 
 
-def _instrumented(
-    tmp_path: Path, dynamo: HeaderServer, other: HeaderServer, **env: str
-) -> dict[str, str]:
+def _rollout(
+    tmp_path: Path, dynamo: HeaderServer, other: HeaderServer, prefix: list[str], **env: str
+) -> tuple[dict[str, str], str]:
+    """Run the unmodified rollout script as ``prefix python rollout.py``: (its report, its stderr)."""
     script = tmp_path / "rollout.py"
     script.write_text(ROLLOUT)
     clean = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
     result = subprocess.run(
-        [INSTRUMENT, sys.executable, str(script), dynamo.url, other.url],
+        [*prefix, sys.executable, str(script), dynamo.url, other.url],
         env={**clean, "OTEL_SESSION_DYNAMO_HOSTS": dynamo.authority, **env},
         capture_output=True,
         text=True,
@@ -78,7 +80,11 @@ def _instrumented(
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     report: dict[str, str] = json.loads(result.stdout.strip().splitlines()[-1])
-    return report
+    return report, result.stderr
+
+
+def _instrumented(tmp_path: Path, dynamo: HeaderServer, other: HeaderServer, **env: str) -> dict[str, str]:
+    return _rollout(tmp_path, dynamo, other, [INSTRUMENT], **env)[0]
 
 
 def test_tracing_off_sends_the_session_to_dynamo_only_and_no_traceparent(
@@ -151,14 +157,10 @@ def test_dynamo_session_propagator_entry_point_with_the_upstream_distro(
         assert other.headers(name) == [None, None], name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="without otel-session's own hooks the aiohttp carrier names no destination, so the session "
-    "propagator sends nothing: use the otel_session distro",
-)
 def test_upstream_distro_alone_reaches_dynamo_over_aiohttp(
     servers: tuple[HeaderServer, HeaderServer], tmp_path: Path
 ) -> None:
+    """otel-session's instrumentors are entry points: the upstream distro loads them too."""
     dynamo, other = servers
     report = _instrumented(tmp_path, dynamo, other, **UPSTREAM)
     assert dynamo.headers("x-dynamo-session-id")[2] == report["session"]
@@ -202,7 +204,269 @@ def test_configurator_configures_only_when_nothing_did(monkeypatch: pytest.Monke
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "dynamo-a:8000")
     SessionConfigurator().configure()
     first = _settings.active()
-    assert first is not None and first.rules.dynamo
+    assert first is not None and first.rules
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "dynamo-b:8000")
     SessionConfigurator().configure()
     assert _settings.active() is first
+
+
+# --- failing open: a setting that cannot be honoured is one line, the session is still delivered ---
+
+
+def _our_lines(stderr: str) -> list[str]:
+    """stderr without the notice opentelemetry-instrument itself logs when several configurators are
+    installed ("Configuration of configurator not loaded, ..."; the dev venv has opentelemetry-distro's)."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("Configuration of ")]
+
+
+def _assert_delivered(report: dict[str, str], dynamo: HeaderServer, other: HeaderServer) -> None:
+    assert dynamo.headers("x-dynamo-session-id") == [report["session"]] * 3
+    assert other.headers("x-dynamo-session-id") == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"OTEL_SESSION_TRACING": "maybe"}, "OTEL_SESSION_TRACING"),
+        (
+            {"OTEL_SESSION_TRACING": "true", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"},
+            "OTEL_SESSION_TRACING",
+        ),
+        ({"OTEL_SESSION_TRUSTED_HOSTS": "http://[::1"}, "OTEL_SESSION_TRUSTED_HOSTS"),
+        ({"OTEL_SESSION_SERVERS": "sometimes"}, "OTEL_SESSION_SERVERS"),
+    ],
+    ids=["bad-tracing", "tracing-exporter-unusable", "bad-trusted-hosts", "bad-servers"],
+)
+def test_zero_code_fails_open_with_one_line_naming_the_variable(
+    servers: tuple[HeaderServer, HeaderServer], tmp_path: Path, env: dict[str, str], variable: str
+) -> None:
+    dynamo, other = servers
+    report, stderr = _rollout(tmp_path, dynamo, other, [INSTRUMENT], OTEL_PYTHON_DISTRO="otel_session", **env)
+    _assert_delivered(report, dynamo, other)
+    assert report["provider"] == "ProxyTracerProvider"  # tracing could not be honoured: it is off
+    lines = _our_lines(stderr)
+    assert len(lines) == 1 and variable in lines[0] and "otel-session" in lines[0], stderr
+    assert "Failed to auto initialize" not in stderr
+
+
+NO_SDK_PYTHON = Path(__file__).resolve().parent.parent / ".venv-nosdk" / "bin" / "python"
+
+
+HTTPX_ROLLOUT = """
+import json, sys
+import httpx, otel_session
+
+with otel_session.trajectory() as traj, httpx.Client() as client:
+    client.get(sys.argv[1] + "/no-sdk")
+    client.get(sys.argv[2] + "/no-sdk")
+print(json.dumps({"session": traj.session_id}))
+"""
+
+
+def test_tracing_on_without_the_sdk_keeps_delivering_and_says_so(
+    servers: tuple[HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    """In a venv with otel-session, opentelemetry-instrument and httpx but no SDK (scripts/nosdk_venv)."""
+    if not NO_SDK_PYTHON.exists():
+        if os.environ.get("OTEL_SESSION_REQUIRE_GYM") == "1":
+            pytest.fail("the no-SDK venv is missing: run scripts/nosdk_venv")
+        pytest.skip("the no-SDK venv (.venv-nosdk) is missing: run scripts/nosdk_venv")
+    dynamo, other = servers
+    script = tmp_path / "rollout.py"
+    script.write_text(HTTPX_ROLLOUT)
+    clean = {
+        name: value for name, value in os.environ.items() if not name.startswith(("OTEL_", "VIRTUAL_ENV"))
+    }
+    instrument = str(NO_SDK_PYTHON.with_name("opentelemetry-instrument"))
+    result = subprocess.run(
+        [instrument, str(NO_SDK_PYTHON), str(script), dynamo.url, other.url],
+        env={**clean, "OTEL_SESSION_DYNAMO_HOSTS": dynamo.authority, "OTEL_SESSION_TRACING": "true"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "Failed to auto initialize" not in result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert dynamo.headers("x-dynamo-session-id") == [report["session"]]
+    assert other.headers("x-dynamo-session-id") == [None]
+    lines = _our_lines(result.stderr)
+    assert len(lines) == 1 and "OTEL_SESSION_TRACING" in lines[0] and "otel-session[tracing]" in lines[0], (
+        lines
+    )
+
+
+# --- processes opentelemetry-instrument does not reach: OTEL_SESSION_AUTO at interpreter start -----
+
+
+def test_auto_variable_configures_a_plain_python_process(
+    servers: tuple[HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    """No opentelemetry-instrument, no configure(): the installed .pth does it from the environment."""
+    dynamo, other = servers
+    report, stderr = _rollout(tmp_path, dynamo, other, [], OTEL_SESSION_AUTO="true")
+    _assert_delivered(report, dynamo, other)
+    assert stderr == ""
+
+
+@pytest.mark.parametrize("value", [None, "", "false"])
+def test_without_the_auto_variable_interpreter_start_imports_nothing(value: str | None) -> None:
+    env = {name: v for name, v in os.environ.items() if not name.startswith("OTEL_")}
+    if value is not None:
+        env["OTEL_SESSION_AUTO"] = value
+    probe = (
+        "import sys; print(sorted(m for m in sys.modules if m.startswith(('otel_session', 'opentelemetry'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "[]", "")
+
+
+def test_a_bad_auto_variable_is_one_line_and_the_process_runs() -> None:
+    env = {name: v for name, v in os.environ.items() if not name.startswith("OTEL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", "print('ran')"],
+        env={**env, "OTEL_SESSION_AUTO": "perhaps"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0 and result.stdout == "ran\n"
+    [line] = result.stderr.splitlines()
+    assert "OTEL_SESSION_AUTO" in line and "true/false" in line
+
+
+def test_the_autostart_pth_is_installed() -> None:
+    found = [
+        Path(p) / "otel_session_autostart.pth"
+        for p in sys.path
+        if (Path(p) / "otel_session_autostart.pth").exists()
+    ]
+    assert found, "pip install -e . (or the wheel) installs otel_session_autostart.pth into site-packages"
+
+
+RAY_DRIVER = """
+import json, os, sys
+import ray
+import ray._private.ray_constants as ray_constants
+
+ray_constants.ENABLE_RAY_CLUSTER = False  # loopback only, as in tests/test_carry.py
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+         _node_ip_address="127.0.0.1")
+
+@ray.remote
+class Rollout:
+    # NeMo-RL-shaped rollout actor: the one trajectory() line, no configure() anywhere.
+    def run(self, url):
+        import httpx, otel_session
+        with otel_session.trajectory() as traj:
+            httpx.post(url)
+        return traj.session_id
+
+env = {"OTEL_SESSION_AUTO": "true", "OTEL_SESSION_DYNAMO_HOSTS": sys.argv[2]}
+auto = Rollout.options(runtime_env={"env_vars": env}).remote()
+plain = Rollout.options(runtime_env={"env_vars": {"OTEL_SESSION_DYNAMO_HOSTS": sys.argv[2]}}).remote()
+runs = ((auto, "auto"), (plain, "plain"))
+sessions = [ray.get(actor.run.remote(f"{sys.argv[1]}/{name}")) for actor, name in runs]
+print(json.dumps(sessions))
+ray.shutdown()
+"""
+
+
+def test_ray_actor_configures_itself_from_its_runtime_env(
+    servers: tuple[HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'otel-session[ray]')")
+    dynamo, _ = servers
+    script = tmp_path / "driver.py"
+    script.write_text(RAY_DRIVER)
+    env = {name: v for name, v in os.environ.items() if not name.startswith("OTEL_")}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    driver = subprocess.Popen(
+        [sys.executable, str(script), dynamo.url, dynamo.authority],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so that a hung run is stopped with everything Ray started under it
+    )
+    try:
+        stdout, stderr = driver.communicate(timeout=180)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=10)
+    assert driver.returncode == 0, stderr[-3000:]
+    auto_session, plain_session = json.loads(stdout.strip().splitlines()[-1])
+    assert dynamo.seen[0][0] == "/auto" and dynamo.headers("x-dynamo-session-id") == [auto_session, None]
+    assert plain_session is not None  # the actor without OTEL_SESSION_AUTO had a trajectory, sent nothing
+
+
+# --- hosts known only at runtime -------------------------------------------------------------------
+
+
+def test_add_dynamo_hosts_reaches_this_process_and_later_children_but_not_neighbours(
+    servers: tuple[HeaderServer, HeaderServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dynamo, neighbour = servers  # neighbour: the same host, another port (a Gym or tool server)
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "frontend.invalid:8000")
+    otel_session.configure(trusted_hosts=["gym.invalid"])
+    for bad in ("127.0.0.1", "*.local:80", "http://127.0.0.1/v1", ""):
+        with pytest.raises(ValueError, match="exact host:port"):
+            otel_session.add_dynamo_hosts(bad)
+    assert os.environ["OTEL_SESSION_DYNAMO_HOSTS"] == "frontend.invalid:8000"  # nothing changed
+    otel_session.add_dynamo_hosts(f"http://{dynamo.authority}/v1")
+    assert os.environ["OTEL_SESSION_DYNAMO_HOSTS"] == f"frontend.invalid:8000,{dynamo.authority}"
+    active = _settings.active()
+    assert active is not None and active.rules.trusted  # the rest of the configuration is kept
+    import httpx
+
+    with otel_session.trajectory() as traj, httpx.Client() as client:
+        client.get(f"{dynamo.url}/here")
+        client.get(f"{neighbour.url}/here")
+    assert dynamo.headers("x-dynamo-session-id") == [traj.session_id]
+    assert neighbour.headers("x-dynamo-session-id") == [None]
+    # A process started afterwards inherits the variable (here with OTEL_SESSION_AUTO, zero code).
+    script = tmp_path / "rollout.py"
+    script.write_text(ROLLOUT)
+    env = {**os.environ, "OTEL_SESSION_AUTO": "true"}
+    result = subprocess.run(
+        [sys.executable, str(script), dynamo.url, neighbour.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    child = json.loads(result.stdout.strip().splitlines()[-1])["session"]
+    assert dynamo.headers("x-dynamo-session-id")[1:] == [child] * 3
+    assert neighbour.headers("x-dynamo-session-id") == [None] * 3
+
+
+# --- quiet by default -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "warnings"),
+    [
+        ({"OTEL_SESSION_TRUSTED_HOSTS": "gym-agent:9000"}, 0),  # baggage-only: a forwarding process
+        ({"OTEL_SESSION_DYNAMO_HOSTS": "dynamo:8000", "OTEL_SESSION_ADOPT": "session:session_id"}, 0),
+        ({}, 1),  # nothing to deliver anywhere: the one real misconfiguration here
+    ],
+    ids=["baggage-only", "dynamo-and-adopt", "nothing"],
+)
+def test_zero_code_warns_once_per_real_misconfiguration_and_never_otherwise(
+    env: dict[str, str], warnings: int
+) -> None:
+    clean = {name: v for name, v in os.environ.items() if not name.startswith("OTEL_")}
+    app = "import aiohttp.web as w, fastapi; w.Application().freeze(); print('served')"
+    result = subprocess.run(
+        [INSTRUMENT, sys.executable, "-c", app],
+        env={**clean, "OTEL_PYTHON_DISTRO": "otel_session", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stdout) == (0, "served\n"), result.stderr
+    assert len(_our_lines(result.stderr)) == warnings, result.stderr

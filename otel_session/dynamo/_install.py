@@ -76,15 +76,16 @@ def _manual_instructions() -> str:
 
 
 def _run_pip(cmd: list[str]) -> None:
-    log.info("installing: %s", shlex.join(cmd))
+    """Announced, with pip's own progress on stderr: installing into someone's environment is never
+    silent (and a slow download is visibly a download, not a hung start-up)."""
+    print(f"otel-session: installing: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr, check=False)
     except OSError as exc:
         raise DynamoInstallError(f"could not run pip ({exc}).\n{_manual_instructions()}") from exc
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise DynamoInstallError(
-            f"`{shlex.join(cmd)}` failed with exit code {proc.returncode}:\n{tail}\n\n"
+            f"`{shlex.join(cmd)}` failed with exit code {proc.returncode} (its output is above).\n\n"
             + _manual_instructions()
         )
 
@@ -101,6 +102,13 @@ def ensure_dynamo_installed(auto_install: bool = True) -> None:
         return
     if not auto_install:
         raise DynamoInstallError(f"missing modules: {', '.join(missing)}.\n{_manual_instructions()}")
+    print(
+        f"otel-session: NVIDIA Dynamo {DYNAMO_VERSION} (frontend and mocker) is not installed in "
+        f"{sys.executable}; installing it now for the local Dynamo stack (first use only; "
+        "`otel-session install-dynamo` does the same)",
+        file=sys.stderr,
+        flush=True,
+    )
     wheel_cmd, deps_cmd = dynamo_install_commands()
     if any(m in missing for m in _DYNAMO_MODULES):
         _run_pip(wheel_cmd)

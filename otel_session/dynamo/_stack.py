@@ -3,6 +3,8 @@
 Tests, demos and benchmarks need a genuine Dynamo router (session affinity, KV routing, worker ids in
 responses) without GPUs, etcd or NATS. :class:`LocalDynamo` runs Dynamo's own mock engine as workers,
 file-based discovery in a fresh run directory, TCP request plane and a loopback ZMQ broker for events.
+Dynamo may live in another interpreter (``python=``, or ``OTEL_SESSION_DYNAMO_PYTHON``): that is how
+the stack runs the Dynamo a framework pins (NeMo-RL: 1.3.0.post1) next to this package's 1.6.1.
 
 Process hygiene is the point of most of this code: every process is started by us, into one process
 group led by our broker (so the group holds only our processes), stopped by PID with SIGTERM then
@@ -13,12 +15,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,16 +34,21 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from ._install import ensure_dynamo_installed
+from ._install import DYNAMO_VERSION, DynamoInstallError, ensure_dynamo_installed
 from ._model import ensure_model_dir
+from ._ports import reserve_port
 
-__all__ = ["DynamoProcess", "DynamoStartError", "LocalDynamo"]
+__all__ = ["ENV_DYNAMO_PYTHON", "DynamoProcess", "DynamoStartError", "LocalDynamo", "dynamo_version_of"]
 
 LOOPBACK = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # No proxy, ever: the stack is on loopback and a proxy from the environment would only break it.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+#: The interpreter whose Dynamo runs the frontend and workers, when ``python=`` is not given.
+ENV_DYNAMO_PYTHON = "OTEL_SESSION_DYNAMO_PYTHON"
+#: ``--router-session-affinity-mode`` appeared in Dynamo 1.5.0 (1.3.0.post1 and 1.4.2 lack it).
+_AFFINITY_MODE_SINCE = (1, 5)
 
 Role = Literal["broker", "worker", "frontend"]
 
@@ -82,14 +89,36 @@ class DynamoProcess:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return "(no log)"
-        return "\n".join(_ANSI.sub("", text).rstrip().splitlines()[-lines:])
+        tail = "\n".join(_ANSI.sub("", text).rstrip().splitlines()[-lines:])
+        return tail or "(empty: the process has written nothing yet; a busy machine starts slowly)"
 
 
-def _free_port() -> int:
-    """Ask the kernel for a free loopback port; the tiny reuse race is handled by retrying the start."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
+def _version_tuple(version: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def dynamo_version_of(python: str) -> str:
+    """The ``ai-dynamo`` version installed for ``python``; raises :class:`DynamoInstallError` if none."""
+    code = (
+        "import importlib.metadata as m, importlib.util as u\n"
+        "ok = all(u.find_spec(x) for x in ('dynamo.frontend', 'dynamo.mocker', 'dynamo._core'))\n"
+        "print(m.version('ai-dynamo') if ok else '')"
+    )
+    try:
+        proc = subprocess.run(
+            [python, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DynamoInstallError(f"cannot run the Dynamo interpreter {python}: {exc}") from exc
+    version = proc.stdout.strip() if proc.returncode == 0 else ""
+    if not version:
+        raise DynamoInstallError(
+            f"{python} has no Dynamo frontend and mocker; install one there, e.g. "
+            f"`{python} -m pip install ai-dynamo==1.3.0.post1` (versions before 1.5 install from the "
+            "index with their dependencies)"
+        )
+    return version
 
 
 def _get_json(url: str, timeout: float = 2.0) -> Any:
@@ -137,8 +166,8 @@ def _still_our_child(pid: int) -> bool:
 
 
 class LocalDynamo:
-    """A local Dynamo 1.6.1 stack: loopback ZMQ broker, ``workers`` mocker processes, ``frontends`` HTTP
-    frontends over the same workers. Use as a context manager::
+    """A local Dynamo stack (1.6.1 unless ``python`` has another): loopback ZMQ broker, ``workers``
+    mocker processes, ``frontends`` HTTP frontends over the same workers. Use as a context manager::
 
         with LocalDynamo(workers=4, affinity_ttl_secs=300) as dyn:
             client = openai.OpenAI(base_url=dyn.base_url, api_key="unused")
@@ -152,6 +181,11 @@ class LocalDynamo:
     event plane; ``frontend_args``/``worker_args`` are appended to the Dynamo command lines; ``env`` is
     added to every Dynamo process (e.g. ``DYN_LOG=debug`` or OTEL exporter settings); ``model_dir``
     replaces the generated tiny model; ``auto_install=False`` raises instead of pip-installing Dynamo.
+    ``python`` is the interpreter that runs Dynamo (default ``$OTEL_SESSION_DYNAMO_PYTHON``, else this
+    one); only this interpreter's Dynamo is ever installed automatically. Dynamo before 1.5 has no
+    affinity mode flag: there ``affinity_mode`` must stay ``"hard"`` and is not passed.
+    ``startup_timeout`` counts from the first process spawned: installing Dynamo and building the
+    model directory come before it.
     """
 
     def __init__(
@@ -175,6 +209,7 @@ class LocalDynamo:
         startup_timeout: float = 60.0,
         stop_timeout: float = 5.0,
         auto_install: bool = True,
+        python: str | None = None,
     ) -> None:
         if workers < 1 or frontends < 1:
             raise ValueError("need at least one worker and one frontend")
@@ -198,6 +233,9 @@ class LocalDynamo:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.auto_install = auto_install
+        self.python = python or os.environ.get(ENV_DYNAMO_PYTHON) or sys.executable
+        #: The ``ai-dynamo`` version that runs the stack, known once :meth:`start` has checked it.
+        self.dynamo_version: str | None = None
 
         self.run_dir: Path | None = None
         self.startup_seconds: float | None = None
@@ -291,9 +329,9 @@ class LocalDynamo:
         with self._lock:
             if self._started:
                 return self
-            began = time.monotonic()
-            ensure_dynamo_installed(auto_install=self.auto_install)
+            self.dynamo_version = self._check_dynamo()
             model_dir = self.model_dir or ensure_model_dir(self.model_cache_dir)
+            began = time.monotonic()  # install and model build above do not count against the timeout
             self.broker, self.workers, self.frontends = None, [], []
             self._started = True
             self._owner_pid = os.getpid()
@@ -302,6 +340,7 @@ class LocalDynamo:
                 self.run_dir = Path(tempfile.mkdtemp(prefix="otel-session-dynamo-"))
                 (self.run_dir / "logs").mkdir()
                 (self.run_dir / "kv").mkdir()
+                self._alias_model_in_hub_cache(model_dir)
                 self._start_broker()
                 self.workers = [self._spawn_worker(i, model_dir) for i in range(self.num_workers)]
                 self._start_frontends(began + self.startup_timeout)
@@ -311,6 +350,28 @@ class LocalDynamo:
                 raise
             self.startup_seconds = time.monotonic() - began
             return self
+
+    def _check_dynamo(self) -> str:
+        """Which Dynamo will run, installing this interpreter's on first use; checked before any spawn."""
+        if os.path.abspath(self.python) == os.path.abspath(sys.executable):  # venvs share one binary
+            ensure_dynamo_installed(auto_install=self.auto_install)
+            try:
+                import importlib.metadata
+
+                version = importlib.metadata.version("ai-dynamo")
+            except importlib.metadata.PackageNotFoundError:
+                version = DYNAMO_VERSION  # a source checkout on sys.path: ours
+        else:
+            version = dynamo_version_of(self.python)
+        if (
+            self.affinity_ttl_secs is not None
+            and self.affinity_mode != "hard"
+            and _version_tuple(version) < _AFFINITY_MODE_SINCE
+        ):
+            raise ValueError(
+                f"Dynamo {version} has no --router-session-affinity-mode; use affinity_mode='hard'"
+            )
+        return version
 
     def stop(self) -> None:
         """Stop every process we started (by PID: SIGTERM, then SIGKILL) and delete the run directory.
@@ -366,6 +427,25 @@ class LocalDynamo:
 
     # ----------------------------------------------------------------- spawning
 
+    def _alias_model_in_hub_cache(self, model_dir: Path) -> None:
+        """Dynamo before 1.6 has the frontend load the model by *name* from the Hugging Face cache, not
+        from the worker's ``--model-path``: so the run's own offline cache holds the name, pointing at
+        the local model (a snapshot directory must be named like a commit hash)."""
+        assert self.run_dir is not None
+        commit = hashlib.sha1(str(model_dir).encode()).hexdigest()
+        repo = self.run_dir / "hub" / f"models--{self.model_name.replace('/', '--')}"
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for item in model_dir.iterdir():
+            (snapshot / item.name).symlink_to(item.resolve())
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit, encoding="utf-8")
+
+    def _response_stream_host(self) -> str:
+        """Dynamo before 1.6 reads this variable as a network *interface* name ("Interface not found:
+        127.0.0.1" otherwise); loopback's is ``lo`` on Linux."""
+        return LOOPBACK if _version_tuple(self.dynamo_version or "") >= (1, 6) else "lo"
+
     def _env(self, home: Path) -> dict[str, str]:
         """Hermetic env: inherited ``DYN_*`` settings are dropped so a user's shell cannot redirect us."""
         assert self.run_dir is not None
@@ -379,7 +459,7 @@ class LocalDynamo:
                 "DYN_EVENT_PLANE": "zmq",
                 "DYN_ZMQ_BROKER_URL": self._broker_url,
                 "DYN_TCP_RPC_HOST": LOOPBACK,
-                "DYN_TCP_RESPONSE_STREAM_HOST": LOOPBACK,
+                "DYN_TCP_RESPONSE_STREAM_HOST": self._response_stream_host(),
                 "DYN_EVENT_PLANE_HOST": LOOPBACK,
                 "DYN_SYSTEM_HOST": LOOPBACK,
                 "DYN_SDK_DISABLE_ANSI_LOGGING": "1",
@@ -388,6 +468,7 @@ class LocalDynamo:
                 "HOME": str(home),
                 "XDG_CACHE_HOME": str(home / ".cache"),
                 "HF_HUB_OFFLINE": "1",
+                "HF_HUB_CACHE": str(self.run_dir / "hub"),
                 "TRANSFORMERS_OFFLINE": "1",
                 "PYTHONUNBUFFERED": "1",
             }
@@ -406,9 +487,10 @@ class LocalDynamo:
             group = _new_group_kwargs()
         elif _GROUPS_SUPPORTED:
             group = _join_group_kwargs(self.broker.pid)
+        python = sys.executable if role == "broker" else self.python  # the broker is our own module
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, *args],
+                [python, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -461,7 +543,8 @@ class LocalDynamo:
         ]  # fmt: skip
         if self.affinity_ttl_secs is not None:
             args += ["--router-session-affinity-ttl-secs", str(self.affinity_ttl_secs)]
-            args += ["--router-session-affinity-mode", self.affinity_mode]
+            if _version_tuple(self.dynamo_version or "") >= _AFFINITY_MODE_SINCE:
+                args += ["--router-session-affinity-mode", self.affinity_mode]
         return [*args, *self.frontend_args]
 
     def _spawn_frontend(self, index: int, port: int) -> DynamoProcess:
@@ -470,10 +553,11 @@ class LocalDynamo:
         return self._spawn("frontend", index, self._frontend_cmd(port), env, port=port)
 
     def _start_frontends(self, deadline: float) -> None:
-        """Spawn frontends; an auto-picked port lost to another process between pick and bind is retried."""
+        """Spawn frontends on reserved ports (see ``_ports``); a port some unrelated process took between
+        the reservation and the bind is retried on another."""
         for i in range(self.num_frontends):
             fixed = self.requested_port if i == 0 else None
-            self.frontends.append(self._spawn_frontend(i, fixed or _free_port()))
+            self.frontends.append(self._spawn_frontend(i, fixed or reserve_port(LOOPBACK)))
         for attempt in range(3):
             time.sleep(0.3)
             retried = False
@@ -483,7 +567,7 @@ class LocalDynamo:
                 if (i == 0 and self.requested_port) or attempt == 2 or time.monotonic() > deadline:
                     continue  # _wait_ready reports it with its log.
                 fe.log_path.rename(fe.log_path.with_suffix(f".attempt{attempt}.log"))
-                self.frontends[i] = self._spawn_frontend(i, _free_port())
+                self.frontends[i] = self._spawn_frontend(i, reserve_port(LOOPBACK))
                 retried = True
             if not retried:
                 return

@@ -1,0 +1,154 @@
+"""One side of a process pair in ``overhead.py``: a whole process sending chunks of httpx requests.
+
+    python benchmarks/overhead_worker.py --kind bare|imports|configured --dynamo URL --other URL
+
+The point of a separate process per side is that each pays everything its setup brings, as a user's
+process would: what the imports load (and every later garbage collection then walks), what
+``configure()`` patches, and the hook on each request. So the bare side must not import
+otel-session at all, and this module imports nothing of the project (no ``sys.path`` games either:
+the coordinator chooses which otel-session the others load through ``PYTHONPATH``).
+
+Kinds: ``bare`` imports httpx only; ``imports`` also imports the modules ``--imports`` names (by
+default otel-session and the client libraries ``configure()`` imported up front as of the
+baseline, httpx2 and aiohttp), without configuring anything, to show what the imports alone cost;
+``configured`` calls ``otel_session.configure(dynamo_hosts=[the dynamo URL's host:port])`` with
+tracing off.
+
+It speaks JSON lines: first it prints what its setup cost, then for each command read from stdin
+(``{"case": "dynamo" | "other" | "outside", "n": N}``) it sends ``N`` requests on one keep-alive
+``httpx.Client`` and prints the chunk's process CPU, wall time and time in garbage collection.
+"dynamo" and "other" run inside one ``trajectory()`` per chunk (configured side only), to the
+Dynamo host or to a host that is not configured; "outside" goes to the Dynamo host with no
+trajectory open. ``{"check": PATH}`` sends one request per case to ``PATH/<case>`` (the server
+records those) so the coordinator can see the session header went where it should and
+nowhere else. End of input ends the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+PAYLOAD = {"model": "bench", "messages": [{"role": "user", "content": "hello"}]}
+IMPORTED_BY_CONFIGURE = "otel_session,httpx2,aiohttp"  # what configure() imported up front at the baseline
+Opener = Callable[[bool], contextlib.AbstractContextManager[Any]]
+
+
+class GcClock:
+    """Wall time spent in the garbage collector, through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections += 1
+
+
+def no_trajectory(inside: bool) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def session_trajectory(inside: bool) -> contextlib.AbstractContextManager[Any]:
+    import otel_session  # the configured side only, which imported it in setup()
+
+    return otel_session.trajectory() if inside else contextlib.nullcontext()
+
+
+def setup(kind: str, dynamo_url: str, imports: Sequence[str]) -> tuple[dict[str, Any], Opener]:
+    """Import and configure as ``kind`` says; returns what that cost and the trajectory opener."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    import httpx  # noqa: F401  (every side uses it; timed on its own)
+
+    httpx_cpu, httpx_wall = time.process_time() - cpu, time.perf_counter() - wall
+    opener: Opener = no_trajectory
+    library = ""
+    if kind == "imports":
+        for name in imports:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+    elif kind == "configured":
+        import otel_session
+
+        otel_session.configure(dynamo_hosts=[urlsplit(dynamo_url).netloc], tracing=False)
+        opener = session_trajectory
+
+    if "otel_session" in sys.modules:
+        library = os.path.dirname(sys.modules["otel_session"].__file__ or "")
+    facts = {
+        "kind": kind,
+        "library": library,
+        "import_httpx_cpu_ms": round(httpx_cpu * 1e3, 2),
+        "import_httpx_wall_ms": round(httpx_wall * 1e3, 2),
+        "setup_cpu_ms": round((time.process_time() - cpu) * 1e3, 2),
+        "setup_wall_ms": round((time.perf_counter() - wall) * 1e3, 2),
+        "process_cpu_ms_at_ready": round(time.process_time() * 1e3, 2),
+        "max_rss_kb_at_ready": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "modules": len(sys.modules),
+        "gc_objects": len(gc.get_objects()),
+        "top_level_packages": sorted({name.partition(".")[0] for name in sys.modules}),
+    }
+    return facts, opener
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--kind", choices=("bare", "imports", "configured"), required=True)
+    parser.add_argument("--dynamo", required=True, help="base URL of the Dynamo host")
+    parser.add_argument("--other", required=True, help="base URL of a host that is not configured")
+    parser.add_argument("--imports", default=IMPORTED_BY_CONFIGURE, help="modules the imports side imports")
+    args = parser.parse_args()
+    facts, trajectory = setup(args.kind, args.dynamo, [name for name in args.imports.split(",") if name])
+    import httpx
+
+    urls = {"dynamo": args.dynamo, "other": args.other, "outside": args.dynamo}
+    clock = GcClock()
+    client = httpx.Client()
+    print(json.dumps(facts), flush=True)
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if "check" in command:
+                for case, url in urls.items():
+                    with trajectory(case != "outside"):
+                        client.post(f"{url}{command['check']}/{case}", json=PAYLOAD)
+                print("{}", flush=True)
+                continue
+            url, n = f"{urls[command['case']]}/v1/chat/completions", int(command["n"])
+            gc_before = clock.seconds, clock.collections
+            cpu, wall = time.process_time(), time.perf_counter()
+            with trajectory(command["case"] != "outside"):
+                for _ in range(n):
+                    client.post(url, json=PAYLOAD).raise_for_status()
+            wall = time.perf_counter() - wall
+            cpu = time.process_time() - cpu
+            result = {
+                "cpu": cpu,
+                "wall": wall,
+                "gc": clock.seconds - gc_before[0],
+                "collections": clock.collections - gc_before[1],
+            }
+            print(json.dumps(result), flush=True)
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Carrier adapters: reading and editing headers in whatever object a request keeps them in.
+
+The policy (``_policy.plan``) decides; these apply its answer to plain dicts, case-insensitive
+mappings (multidict's ``CIMultiDict``, requests' ``CaseInsensitiveDict``), and httpx's / httpx2's
+``Headers``. Every public lookup in an httpx ``Headers`` first decodes every header to find its
+encoding, about a microsecond each, and this runs on every request; so for a ``Headers`` type whose
+instances are checked once to keep ``_list`` exactly as expected ((raw name, lower-case name, value)
+byte triples) the fast adapter reads and edits ``_list`` itself. Any other layout, or any surprise,
+falls back to the public API.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+from opentelemetry.propagators.textmap import Setter
+
+_PLAIN, _CASE_INSENSITIVE, _ENTRIES = 0, 1, 2
+_CASE_INSENSITIVE_TYPES = frozenset(
+    {
+        ("httpx", "Headers"),
+        ("httpx2", "Headers"),
+        ("multidict", "CIMultiDict"),
+        ("multidict", "CIMultiDictProxy"),
+        ("requests", "CaseInsensitiveDict"),
+    }
+)
+_kinds: dict[type, int] = {}
+
+
+def _layout_holds(kind: type) -> bool:
+    try:
+        probe = kind([("X-Probe", "1"), ("Other", "2"), ("x-PROBE", "3")])
+        expected = [(b"X-Probe", b"x-probe", b"1"), (b"Other", b"other", b"2")]
+        if probe._list != [*expected, (b"x-PROBE", b"x-probe", b"3")]:
+            return False
+        clone = copy_headers(probe, _ENTRIES)
+        del clone["X-PROBE"]
+        clone["New"] = "4"
+        return bool(
+            clone._list == [*expected[1:], (b"New", b"new", b"4")]
+            and clone.get("other") == "2"
+            and probe.get("x-probe") == "1, 3"
+        )
+    except Exception:
+        return False
+
+
+def kind_of(carrier: Any) -> int:
+    """How to treat ``carrier``, decided once per type (exact type, by module and name)."""
+    kind = type(carrier)
+    found = _kinds.get(kind)
+    if found is None:
+        found = _PLAIN
+        if (kind.__module__.partition(".")[0], kind.__qualname__) in _CASE_INSENSITIVE_TYPES:
+            found = _CASE_INSENSITIVE
+            if kind.__qualname__ == "Headers":
+                _kinds[kind] = _CASE_INSENSITIVE  # while probing: copy_headers must not recurse
+                found = _ENTRIES if _layout_holds(kind) else _CASE_INSENSITIVE
+        if len(_kinds) < 64:  # carrier types are few; bounded all the same
+            _kinds[kind] = found
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded(names: tuple[str, ...]) -> dict[bytes, str]:
+    return {name.encode("latin-1"): name for name in names}
+
+
+def read(carrier: Any, names: tuple[str, ...]) -> dict[str, str]:
+    """The first value of each of ``names`` (lower-case) present in ``carrier``."""
+    held: dict[str, str] = {}
+    how = _kinds.get(type(carrier))
+    if how is None:
+        how = kind_of(carrier)
+    if how == _ENTRIES:
+        encoded = _encoded(names)
+        for _, lower, _ in carrier._list:
+            name = encoded.get(lower)
+            if name is not None and name not in held:
+                value = carrier.get(name)  # the public way for a hit: its encoding, its joining
+                if isinstance(value, str):
+                    held[name] = value.partition(",")[0] if name != "baggage" else value
+        return held
+    wanted = set(names)
+    if how == _CASE_INSENSITIVE:
+        for name in wanted:
+            if name in carrier:
+                value = carrier.get(name)
+                if isinstance(value, str):
+                    held[name] = value
+        return held
+    keys = getattr(carrier, "keys", None)
+    if not callable(keys):
+        return held
+    for key in list(keys()):
+        if isinstance(key, str) and key.lower() in wanted and key.lower() not in held:
+            value = carrier.get(key)
+            if isinstance(value, str):
+                held[key.lower()] = value
+    return held
+
+
+def remove(carrier: Any, name: str) -> None:
+    """Take header ``name`` (any case, every occurrence) out of ``carrier``."""
+    how = _kinds.get(type(carrier))
+    if how is None:
+        how = kind_of(carrier)
+    lower = name.lower()
+    if how == _ENTRIES:
+        encoded = lower.encode("latin-1")
+        carrier._list[:] = [entry for entry in carrier._list if entry[1] != encoded]
+        return
+    if how == _CASE_INSENSITIVE:
+        popall = getattr(carrier, "popall", None)
+        if callable(popall):
+            popall(name, None)
+        else:
+            carrier.pop(name, None)
+        return
+    if isinstance(carrier, MutableMapping):
+        for key in [key for key in carrier if isinstance(key, str) and key.lower() == lower]:
+            del carrier[key]
+
+
+def write(carrier: Any, name: str, value: str, setter: Setter[Any] | None = None) -> None:
+    """Set header ``name`` to ``value``, replacing any value of it in any case."""
+    how = _kinds.get(type(carrier))
+    if how is None:
+        how = kind_of(carrier)
+    if how == _ENTRIES and value.isascii():
+        remove(carrier, name)
+        carrier._list.append((name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii")))
+        return
+    if how == _PLAIN:
+        remove(carrier, name)  # a plain dict would otherwise keep both spellings
+    if setter is not None:
+        setter.set(carrier, name, value)
+    else:
+        carrier[name] = value
+
+
+def copy_headers(headers: Any, how: int | None = None) -> Any:
+    """A copy of an httpx ``Headers`` to edit for one hop, leaving the caller's object as it was."""
+    if (how if how is not None else kind_of(headers)) == _ENTRIES:
+        clone = object.__new__(type(headers))
+        clone.__dict__.update(headers.__dict__)
+        clone._list = list(headers._list)
+        return clone
+    return headers.copy()
+
+
+def copy_request(request: Any, entries: list[Any] | None = None) -> Any:
+    """A shallow copy of an httpx ``Request`` with its own headers: same body, same extensions.
+
+    ``entries``: the caller's own header entries, where the request's are lent to a hop right now.
+    """
+    clone = object.__new__(type(request))
+    clone.__dict__.update(request.__dict__)
+    clone.headers = copy_headers(request.headers)
+    if entries is not None:
+        clone.headers._list = list(entries)
+    return clone
+
+
+def lend(headers: Any) -> list[Any] | None:
+    """Give a fast ``Headers`` entries of its own for one hop; returns the caller's, for ``give_back``.
+
+    ``None`` for any other carrier: the hop then edits a copy instead. Lending costs one list copy,
+    and giving back one assignment, whatever was edited in between.
+    """
+    if _kinds.get(type(headers)) != _ENTRIES:
+        return None
+    entries: list[Any] = headers._list
+    headers._list = list(entries)
+    return entries
+
+
+def give_back(headers: Any, entries: list[Any]) -> None:
+    """Put the caller's own entries back after the hop that ``lend`` made them for."""
+    headers._list = entries
+
+
+def relend(headers: Any, entries: list[Any]) -> None:
+    """Start the hop's entries afresh from the caller's (a hop planned again)."""
+    headers._list = list(entries)
+
+
+def apply(
+    carrier: Any,
+    edits: Iterable[tuple[str, str | None]],
+    setter: Setter[Any] | None = None,
+    held: frozenset[str] | None = None,
+) -> None:
+    """Make ``edits`` (``(name, value)`` to set, ``(name, None)`` to take away) on ``carrier``.
+
+    ``held``: the lower-case names the carrier was just read to hold, if known; any other is absent,
+    so a fast ``Headers`` appends it without looking for an old value first.
+    """
+    fast = held is not None and setter is None and _kinds.get(type(carrier)) == _ENTRIES
+    for name, value in edits:
+        if value is None:
+            remove(carrier, name)
+        elif fast and name.lower() not in held and value.isascii():  # type: ignore[operator]
+            carrier._list.append((name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii")))
+        else:
+            write(carrier, name, value, setter)
+
+
+def snapshot(carrier: Any) -> list[tuple[str, str]]:
+    """A multidict carrier's items now, in order and as spelled, for ``restore`` after one hop."""
+    return list(carrier.items())
+
+
+def restore(carrier: Any, saved: list[tuple[str, str]], names: Iterable[str]) -> None:
+    """Put back a multidict carrier's ``snapshot`` for ``names`` (the headers we edited): the caller's
+    own values in their places and spellings, ours gone. What the client added meanwhile under other
+    names (aiohttp's ``Connection``, say) stays, after them.
+    """
+    ours = {name.lower() for name in names}
+    added = list(carrier.items())
+    for item in saved:
+        if item[0].lower() not in ours and item in added:
+            added.remove(item)
+    carrier.clear()
+    carrier.extend(saved)
+    carrier.extend(item for item in added if item[0].lower() not in ours)

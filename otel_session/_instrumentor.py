@@ -1,0 +1,145 @@
+"""What otel-session's client instrumentors share: patching a library when it is imported, not before.
+
+Each is an OpenTelemetry ``BaseInstrumentor`` (entry point group ``opentelemetry_instrumentor``, so
+``opentelemetry-instrument`` and ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` treat it like any other),
+but ``instrument()`` does not import its client library: it patches the library now if the process has
+imported it, else the moment it does. A process that never touches aiohttp never pays for importing it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable, Collection
+from types import ModuleType
+from typing import Any, ClassVar
+
+import wrapt
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
+
+from otel_session import _faults, _settings
+
+Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
+# Upstream's unwrap puts back ``getattr(cls, name).__wrapped__``: a bound wrapper, when ours was below.
+_WRAPPERS = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
+
+
+class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """Patches ``library`` (a top-level module name) once it is imported, while instrumented."""
+
+    library: ClassVar[str]
+    requirement: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._instance = None  # upstream's singleton slot, else a subclass would get its parent's object
+
+    def __init__(self) -> None:
+        if hasattr(self, "_lock"):
+            return  # BaseInstrumentor is a singleton per class: every call returns the same object
+        self._wanted = False
+        self._installed: list[tuple[Any, str, Wrapper]] = []
+        self._hook_registered = False
+        self._lock = threading.RLock()  # the import hook may fire inside _instrument
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return (self.requirement,)
+
+    @classmethod
+    def installed(cls) -> bool:
+        """Whether the client library is installed, found without importing it."""
+        try:
+            return importlib.util.find_spec(cls.library) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def instrument(self, **kwargs: Any) -> None:
+        """As upstream, but quiet when already instrumented (``configure()`` and a distro may both ask)."""
+        if not self.is_instrumented_by_opentelemetry:
+            super().instrument(**kwargs)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        if _settings.active() is None:
+            # Loaded by a distro other than ours (``opentelemetry-instrument`` with upstream's), with no
+            # configure(): deliver by the OTEL_SESSION_* variables all the same.
+            from otel_session._config import activate_environment
+
+            activate_environment()
+        with self._lock:
+            self._wanted = True
+            module = sys.modules.get(self.library)
+            if not self._hook_registered:
+                self._hook_registered = True
+                # Runs at once if the library is imported already; the hook cannot be removed, so it
+                # checks ``_wanted`` whenever it fires.
+                wrapt.register_post_import_hook(self._imported, self.library)
+                return
+        if module is not None:
+            self._imported(module)
+
+    def _imported(self, module: ModuleType) -> None:
+        with self._lock:
+            if not self._wanted or self._installed:
+                return
+            try:
+                for owner, name, wrapper in self.targets(module):
+                    if not _holds(owner.__dict__[name], wrapper):
+                        _wrap_innermost(owner, name, wrapper)
+                        self._installed.append((owner, name, wrapper))
+            except Exception as exc:  # a library we cannot patch goes on unpatched, never broken
+                _faults.report(f"instrumenting {self.library}", exc)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        with self._lock:
+            self._wanted = False
+            for owner, name, wrapper in self._installed:
+                _unwrap(owner, name, wrapper)
+            self._installed = [t for t in self._installed if _holds(t[0].__dict__.get(t[1]), t[2])]
+
+    @property
+    def active(self) -> bool:
+        """Whether calls through the patched methods should do anything (instrumented now)."""
+        return self._wanted
+
+    def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
+        """(class, method name, wrapt wrapper) for each method to patch in the imported ``module``."""
+        raise NotImplementedError
+
+
+def _wrap_innermost(owner: Any, name: str, wrapper: Wrapper) -> None:
+    """Wrap ``owner.name`` right around the original, under any wrapt wrappers already there.
+
+    Upstream instrumentors take off whatever wrapper is on top when they uninstrument; sitting
+    innermost, ours is never the one they take, nor above one of theirs that would then stay.
+    """
+    current = owner.__dict__[name]
+    if not isinstance(current, wrapt.FunctionWrapper):
+        setattr(owner, name, wrapt.FunctionWrapper(current, wrapper))
+        return
+    while isinstance(current.__wrapped__, wrapt.FunctionWrapper):
+        current = current.__wrapped__
+    current.__wrapped__ = wrapt.FunctionWrapper(current.__wrapped__, wrapper)
+
+
+def _unwrap(owner: Any, name: str, wrapper: Wrapper) -> None:
+    """Take ``wrapper`` out of ``owner.name``'s chain, wherever it is, leaving the others as they are."""
+    current = owner.__dict__.get(name)
+    if isinstance(current, _WRAPPERS) and current._self_wrapper is wrapper:
+        setattr(owner, name, current.__wrapped__)
+        return
+    while isinstance(current, _WRAPPERS):
+        inner = current.__wrapped__
+        if isinstance(inner, _WRAPPERS) and inner._self_wrapper is wrapper:
+            current.__wrapped__ = inner.__wrapped__
+            return
+        current = inner
+
+
+def _holds(method: Any, wrapper: Wrapper) -> bool:
+    """Whether ``wrapper`` is somewhere in ``method``'s chain of wrapt wrappers."""
+    while isinstance(method, _WRAPPERS):
+        if method._self_wrapper is wrapper:
+            return True
+        method = method.__wrapped__
+    return False

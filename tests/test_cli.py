@@ -1,0 +1,297 @@
+"""The ``otel-session`` command as a user runs it: a subprocess, its exit code and what it prints.
+
+Bad input is checked before anything starts, so those cases end in well under a second each: one line
+on stderr naming the flag or variable, exit code 2, no traceback. Every run has a timeout, so a hang
+is a failure rather than a stuck suite. The runs that do work use the shared local Dynamo stacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator, Mapping
+from io import StringIO
+from pathlib import Path
+
+import pytest
+
+from otel_session.cli import Progress
+from otel_session.dynamo import LocalDynamo
+
+_BIN = Path(sys.executable).parent / "otel-session"
+CLI = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "otel_session.cli"]
+
+
+def _env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without any otel-session setting, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(extra or {})
+    return env
+
+
+def run_cli(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 30, prefix: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*(prefix or CLI), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(env),
+    )
+
+
+def assert_one_line(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """Exit ``code``, nothing on stdout, exactly one line on stderr containing every needle."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert proc.stdout == "", proc.stdout
+    line = lines[0]
+    assert line.startswith("otel-session: "), line
+    for needle in needles:
+        assert needle in line, (needle, line)
+    return line
+
+
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    """A loopback port bound but never listening: connections are refused, and nobody else can take it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+
+# ------------------------------------------------------------------------------------------ bad flags
+
+BAD_FLAGS = [
+    (["--concurrency", "0"], "--concurrency", "1 to 10000"),
+    (["--concurrency", "many"], "--concurrency", "whole number"),
+    (["--turns", "-1"], "--turns", "1 to 100"),
+    (["--prompts", "0"], "--prompts", "1 to 1000"),
+    (["--siblings", "0"], "--siblings", "1 to 1000"),
+    (["--workers", "0"], "--workers", "1 to 16"),
+    (["--turns", "2.5"], "--turns", "whole number"),
+    (["--base-url", "http://[::1/v1"], "--base-url", "http://dynamo:8000/v1"),
+    (["--base-url", "http:///v1"], "--base-url", "http://dynamo:8000/v1"),
+    (["install-dynamo", "--now"], "--now", "--help"),
+    (["--affinity-ttl", "0"], "--affinity-ttl", "1 to 31536000"),
+    (["--router", "bogus"], "--router", "round-robin"),
+    (["--base-url", "notaurl"], "--base-url", "http://dynamo:8000/v1"),
+    (["--base-url", "http://host:99999/v1"], "--base-url", "http://dynamo:8000/v1"),
+    (["--base-url", "ftp://host/v1"], "--base-url", "http://dynamo:8000/v1"),
+    (["--model", " "], "--model", "model name"),
+    (["--base-url", "http://127.0.0.1:9/v1", "--workers", "2"], "--workers", "local stack"),
+    (["--base-url", "http://127.0.0.1:9/v1", "--router", "kv"], "--router", "local stack"),
+    (["--no-such-flag"], "--no-such-flag", "--help"),
+    (["--turns"], "--turns", "expected one argument"),
+    (["doctor"], "--base-url", "required"),
+    (["doctor", "--base-url", "nope"], "--base-url", "http://dynamo:8000/v1"),
+    (["doctor", "--base-url", "http://127.0.0.1:9/v1", "--requests", "0"], "--requests", "2 to 1000"),
+    (["bogus-command"], "bogus-command", "--help"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag", "accepts"), BAD_FLAGS, ids=[" ".join(a) for a, _, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_and_exit_2(args: list[str], flag: str, accepts: str) -> None:
+    began = time.monotonic()
+    proc = run_cli(*args)
+    assert_one_line(proc, 2, flag, accepts)
+    assert time.monotonic() - began < 20  # nothing was started or installed
+
+
+BAD_ENV = [
+    ("OTEL_SESSION_TRACING", "maybe", "true/false"),
+    ("OTEL_SESSION_DYNAMO_HOSTS", "a:b:c", "a:b:c"),
+    ("OTEL_SESSION_DYNAMO_HOSTS", "http://[::1", "not a valid URL"),
+    ("OTEL_SESSION_TRUSTED_HOSTS", "http://[::1", "not a valid URL"),
+    ("OTEL_SESSION_TRUSTED_HOSTS", "host:notaport", "host:notaport"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "says"), BAD_ENV, ids=[f"{n}={v}" for n, v, _ in BAD_ENV])
+@pytest.mark.parametrize(
+    "command", [[], ["doctor", "--base-url", "http://127.0.0.1:9/v1"]], ids=["run", "doctor"]
+)
+def test_a_bad_variable_is_one_line_and_exit_2_before_anything_starts(
+    name: str, value: str, says: str, command: list[str]
+) -> None:
+    proc = run_cli(*command, env={name: value})
+    assert_one_line(proc, 2, name, says)
+
+
+def test_a_dead_base_url_is_one_line_pointing_at_doctor(dead_url: str) -> None:
+    line = assert_one_line(run_cli("--base-url", dead_url), 1, dead_url, "doctor --base-url")
+    assert "refused" in line.lower()
+
+
+def test_doctor_against_a_dead_port_reports_and_exits_1(dead_url: str) -> None:
+    proc = run_cli("doctor", "--base-url", dead_url, "--json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is False
+    assert [c["name"] for c in report["checks"]] == ["frontend reachable"]
+    assert "fix" in report["checks"][0] and "/v1" in report["checks"][0]["fix"]
+
+
+# ------------------------------------------------------------------------------------------ missing parts
+
+# No real part can uninstall a package from the shared test environment, so this interpreter is told
+# to behave as if the `cli` extra were not installed: a meta-path finder that refuses exactly those
+# modules, the way Python reacts when they are absent.
+WITHOUT_OPENAI = textwrap.dedent(
+    """
+    import sys
+    class Absent:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("openai", "httpx2"):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+    sys.meta_path.insert(0, Absent())
+    from otel_session.cli import main
+    sys.argv[0] = "otel-session"
+    sys.exit(main())
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["doctor", "--base-url", "http://127.0.0.1:9/v1"]], ids=["run", "doctor"]
+)
+def test_without_the_cli_extra_it_names_the_install_command_and_starts_nothing(command: list[str]) -> None:
+    proc = run_cli(*command, prefix=[sys.executable, "-c", WITHOUT_OPENAI])
+    line = assert_one_line(proc, 1, "openai", "pip install", "openai>=")
+    assert "installing" not in line  # nothing is installed unasked
+
+
+def test_a_dynamo_interpreter_without_dynamo_is_named(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=60
+    )
+    python = str(tmp_path / "bare" / "bin" / "python")
+    proc = run_cli(env={"OTEL_SESSION_DYNAMO_PYTHON": python})
+    assert_one_line(proc, 1, "OTEL_SESSION_DYNAMO_PYTHON", python, "pip install ai-dynamo")
+    proc = run_cli(env={"OTEL_SESSION_DYNAMO_PYTHON": str(tmp_path / "missing")})
+    assert_one_line(proc, 1, "OTEL_SESSION_DYNAMO_PYTHON", "cannot run")
+
+
+# ------------------------------------------------------------------------------------------ the demo
+
+
+def test_the_progress_clock_starts_at_the_first_turn() -> None:
+    out = StringIO()
+    progress = Progress(total=4, stream=out, enabled=True)
+    time.sleep(0.5)  # install and stack start-up happen here, before the first turn
+    progress.start()
+    for _ in range(4):
+        progress.step()
+    seconds = [float(s) for s in re.findall(r"turns\s+([\d.]+)s", out.getvalue())]
+    assert len(seconds) == 4 and max(seconds) < 0.4, out.getvalue()
+
+
+def _verdict(stdout: str) -> re.Match[str]:
+    found = re.search(r"^verdict: pinned (\d+)/(\d+) vs (\d+)/(\d+)", stdout, re.MULTILINE)
+    assert found, stdout
+    return found
+
+
+def test_the_demo_runs_both_arms_and_ends_on_one_verdict_line() -> None:
+    proc = run_cli("--prompts", "3", "--siblings", "3", "--turns", "3", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "with sessions" in proc.stdout and "without (no header)" in proc.stdout
+    pinned, total, pinned_without, total_without = map(int, _verdict(proc.stdout).groups())
+    assert (pinned, total, total_without) == (9, 9, 9)
+    assert pinned_without < 9  # round-robin without a header moves trajectories between workers
+    assert re.search(r"hit rate \d+% vs \d+%; TTFT [\d.]+x$", proc.stdout.strip().splitlines()[-1])
+    assert proc.stdout.strip().splitlines()[-1].startswith("verdict: ")
+
+
+def test_one_worker_pins_either_way_and_the_verdict_says_it_proves_nothing() -> None:
+    proc = run_cli(
+        "--workers", "1", "--prompts", "1", "--siblings", "3", "--turns", "2", "--quiet", timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _verdict(proc.stdout).groups() == ("3", "3", "3", "3")
+    assert "cannot tell them apart" in proc.stdout
+
+
+def test_against_a_deployment_that_pins_json_has_both_arms(dynamo_stack: LocalDynamo) -> None:
+    proc = run_cli(
+        "--base-url", dynamo_stack.base_url, "--json", "--prompts", "1", "--turns", "2", timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["model"] == dynamo_stack.model_name and doc["verdict"]["pinned"] is True
+    on, off = doc["with_sessions"], doc["without_sessions"]
+    assert on["summary"]["pinned"] == on["summary"]["trajectories"] == 3
+    assert off["summary"]["trajectories"] == 3
+    ids = {t["session_id"] for t in on["trajectories"]}
+    assert len(ids) == 3
+    assert doc["verdict"]["line"].startswith("pinned 3/3 vs ")
+
+
+def test_against_a_deployment_that_does_not_pin_it_exits_1_and_points_at_doctor(
+    dynamo_stack_no_affinity: LocalDynamo,
+) -> None:
+    url = dynamo_stack_no_affinity.base_url
+    proc = run_cli("--base-url", url, "--quiet", timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"otel-session doctor --base-url {url}" in proc.stderr
+    pinned, total, _, _ = map(int, _verdict(proc.stdout).groups())
+    assert pinned < total
+
+
+def test_a_model_the_local_stack_does_not_serve_is_one_line_before_it_starts() -> None:
+    assert_one_line(run_cli("--model", "m"), 2, "--model 'm'", "otel-session-tiny")
+
+
+def test_a_model_the_deployment_does_not_serve_is_one_line(dynamo_stack: LocalDynamo) -> None:
+    proc = run_cli("--base-url", dynamo_stack.base_url, "--model", "m")
+    assert_one_line(proc, 1, "--model 'm'", dynamo_stack.model_name)
+
+
+def test_dynamo_hosts_from_the_environment_are_kept_and_said_so(dynamo_stack: LocalDynamo) -> None:
+    proc = run_cli(
+        "--base-url", dynamo_stack.base_url, "--json", "--prompts", "1", "--turns", "2",
+        env={"OTEL_SESSION_DYNAMO_HOSTS": "garbage"}, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["verdict"]["pinned"] is True
+    assert f"OTEL_SESSION_DYNAMO_HOSTS='garbage' kept; {dynamo_stack.host} added" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ doctor
+
+
+def test_doctor_on_a_pinning_deployment_passes_with_no_fix_and_counts_only_session_requests(
+    versioned_dynamo_stack: LocalDynamo,
+) -> None:
+    url = versioned_dynamo_stack.base_url
+    proc = run_cli("doctor", "--base-url", url, "--requests", "4", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["ok"] is True and all(c["ok"] for c in checks.values())
+    assert not any("fix" in c for c in checks.values())  # nothing to fix when it passes
+    # 3 probe sessions x 4 requests were meant to carry the header; the 1 + 4 free ones were not
+    assert checks["header sent"]["detail"].startswith("12 of 12 requests sent in a session")
+    assert checks["no header outside a session"]["detail"].startswith("0 requests")
+
+
+def test_doctor_on_a_deployment_without_affinity_names_the_flag(
+    dynamo_stack_no_affinity: LocalDynamo,
+) -> None:
+    proc = run_cli("doctor", "--base-url", dynamo_stack_no_affinity.base_url, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "[FAIL] sessions pinned" in proc.stdout
+    assert "--router-session-affinity-ttl-secs" in proc.stdout

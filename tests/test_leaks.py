@@ -1,0 +1,475 @@
+""""Nobody else", attacked: every way our headers could reach a host they must not (issue 9).
+
+Each test drives real clients over loopback at real servers: a recording tunnelling proxy, TLS
+servers with a test CA (trustme), redirect targets, the upstream OpenTelemetry instrumentations.
+"Ours" means ``X-Dynamo-Session-ID`` / ``X-Dynamo-Parent-Session-ID``, ``baggage`` and ``traceparent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+import requests
+import trustme
+from aiohttp import web
+from opentelemetry import propagate
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor, HTTPXClientInstrumentor
+from opentelemetry.instrumentation.requests import RequestsInstrumentor
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import otel_session
+from otel_session import SESSION_HEADER
+from otel_session.servers import SessionMiddleware, aiohttp_session_middleware
+from tests.clients import CLIENTS, send
+from tests.loopback import AsgiServer
+from tests.proxy import RecordingProxy
+from tests.recorder import Recorder
+
+OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent"}
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def tls_files(ca: trustme.CA, tmp_path: Path) -> tuple[str, str]:
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    return str(cert_file), str(key_file)
+
+
+@pytest.fixture
+def client_ssl(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+@pytest.fixture
+def tls_dynamo(tls_files: tuple[str, str]) -> Iterator[Recorder]:
+    with Recorder(tls=tls_files) as server:
+        yield server
+
+
+@pytest.fixture
+def proxy() -> Iterator[RecordingProxy]:
+    with RecordingProxy() as running:
+        yield running
+
+
+# ---- 1. an https proxy's CONNECT carries nothing of ours; the tunnelled request does ----------
+
+
+@pytest.mark.parametrize("via", ["proxy=", "HTTPS_PROXY"])
+async def test_aiohttp_connect_to_a_proxy_carries_nothing(
+    via: str,
+    tls_dynamo: Recorder,
+    proxy: RecordingProxy,
+    client_ssl: ssl.SSLContext,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    otel_session.configure(dynamo_hosts=[tls_dynamo.authority], trusted_hosts=[tls_dynamo.authority])
+    kwargs: dict[str, Any] = {"proxy": proxy.url} if via == "proxy=" else {}
+    if via == "HTTPS_PROXY":
+        monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+        monkeypatch.setenv("NO_PROXY", "")
+    with otel_session.trajectory() as traj:
+        async with (
+            aiohttp.ClientSession(trust_env=via == "HTTPS_PROXY") as session,
+            session.get(f"{tls_dynamo.url}/v1/models", ssl=client_ssl, **kwargs) as response,
+        ):
+            response.raise_for_status()
+    [connect] = proxy.seen
+    assert connect.method == "CONNECT"
+    assert not connect.names() & OURS, connect.headers
+    [arrived] = tls_dynamo.requests
+    assert arrived.get(SESSION_HEADER) == traj.session_id
+    assert arrived.get("baggage") == f"session.id={traj.session_id}"
+
+
+async def test_httpx_connect_to_a_proxy_carries_nothing(
+    tls_dynamo: Recorder, proxy: RecordingProxy, client_ssl: ssl.SSLContext
+) -> None:
+    otel_session.configure(dynamo_hosts=[tls_dynamo.authority])
+    with otel_session.trajectory() as traj, httpx.Client(proxy=proxy.url, verify=client_ssl) as client:
+        client.get(f"{tls_dynamo.url}/v1/models").raise_for_status()
+    [connect] = proxy.seen
+    assert connect.method == "CONNECT" and not connect.names() & OURS
+    assert tls_dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+
+
+# ---- 2. re-sends, re-targets and shared Request objects ------------------------------------------
+
+
+async def test_an_aiohttp_middleware_that_resends_elsewhere_delivers_nothing_there(
+    gym: Recorder, other: Recorder
+) -> None:
+    """The same ClientRequest goes to a trusted host, fails, and is sent again to a tool host."""
+    otel_session.configure(dynamo_hosts=["dynamo.invalid"], trusted_hosts=[gym.authority])
+    gym.fail_next.append(503)
+
+    async def fail_over(request: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
+        response = await handler(request)
+        if response.status == 503:
+            request.url = request.url.with_host(other.host).with_port(other.port)
+            response = await handler(request)
+        return response
+
+    with otel_session.trajectory(session_id="episode:42") as traj:
+        async with (
+            aiohttp.ClientSession(middlewares=(fail_over,)) as session,
+            session.get(f"{gym.url}/step") as response,
+        ):
+            response.raise_for_status()
+    assert gym.requests[0].get("baggage") == f"session.id={traj.session_id}"  # ':' needs no escape
+    [elsewhere] = other.requests
+    assert not elsewhere.names() & OURS, elsewhere.headers
+
+
+class Retarget(httpx.BaseTransport):
+    """A custom transport that sends the very Request it is given to another host."""
+
+    def __init__(self, to: Recorder) -> None:
+        self.to, self.inner = to, httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(host=self.to.host, port=self.to.port)
+        return self.inner.handle_request(request)
+
+
+def test_a_transport_that_retargets_the_request_is_planned_again(dynamo: Recorder, other: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as traj:
+        with httpx.Client(transport=Retarget(other)) as client:
+            client.get(f"{dynamo.url}/v1/models").raise_for_status()  # planned for Dynamo, sent elsewhere
+        with httpx.Client(transport=Retarget(dynamo)) as client:
+            client.get(f"{other.url}/v1/models").raise_for_status()  # planned for a tool, sent to Dynamo
+    assert not other.requests[0].names() & OURS
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+
+
+async def test_one_request_object_sent_by_two_trajectories_at_once(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    async with httpx.AsyncClient() as client:
+        shared = client.build_request("GET", f"{dynamo.url}/v1/models")
+
+        async def attempt() -> str:
+            async with otel_session.trajectory() as traj:
+                await asyncio.sleep(0)
+                (await client.send(shared)).raise_for_status()
+                assert traj.session_id is not None
+                return traj.session_id
+
+        ids = await asyncio.gather(*(attempt() for _ in range(5)))
+    assert sorted(r.get(SESSION_HEADER) or "" for r in dynamo.requests) == sorted(ids)
+    assert SESSION_HEADER not in shared.headers
+
+
+def test_stock_propagators_composed_with_ours_are_taken_back_for_other_hosts(
+    dynamo: Recorder, gym: Recorder, other: Recorder
+) -> None:
+    """``OTEL_PROPAGATORS=tracecontext,baggage,dynamo_session`` as the upstream distro builds it."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[gym.authority], tracing=True)
+    propagate.set_global_textmap(
+        CompositePropagator(
+            [TraceContextTextMapPropagator(), W3CBaggagePropagator(), otel_session.SessionPropagator()]
+        )
+    )
+    with otel_session.trajectory(session_id="episode:42") as traj, httpx.Client() as client:
+        for server in (dynamo, gym, other):
+            client.get(f"{server.url}/x").raise_for_status()
+    assert traj.session_id == "episode:42"
+    assert not other.requests[0].names() & OURS, other.requests[0].headers
+    assert dynamo.requests[0].get(SESSION_HEADER) == "episode:42"
+    assert "episode" in (gym.requests[0].get("baggage") or "")
+
+
+# ---- 3. a Host header is not the destination -------------------------------------------------------
+
+
+def test_a_host_header_naming_dynamo_does_not_make_a_request_go_there(
+    dynamo: Recorder, other: Recorder
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    HTTPXClientInstrumentor().instrument()
+    HTTPX2ClientInstrumentor().instrument()
+    RequestsInstrumentor().instrument()
+    try:
+        import httpx2
+
+        with otel_session.trajectory():
+            forged = {"Host": dynamo.authority}
+            httpx.get(f"{other.url}/httpx", headers=forged)
+            httpx2.get(f"{other.url}/httpx2", headers=forged)
+            requests.get(f"{other.url}/requests", headers=forged, timeout=10)
+    finally:
+        RequestsInstrumentor().uninstrument()
+        HTTPX2ClientInstrumentor().uninstrument()
+        HTTPXClientInstrumentor().uninstrument()
+    assert len(other.requests) == 3
+    for seen in other.requests:
+        assert not seen.names() & OURS, (seen.path, seen.headers)
+    assert dynamo.requests == []
+
+
+# ---- 4. a URL pattern keeps its scheme ---------------------------------------------------------------
+
+
+def test_an_https_pattern_never_matches_a_plain_http_downgrade(
+    tls_dynamo: Recorder, client_ssl: ssl.SSLContext, tls_files: tuple[str, str]
+) -> None:
+    with Recorder(host="127.0.0.1") as plain:
+        patterns = [f"https://localhost:{plain.port}/v1", f"https://localhost:{tls_dynamo.port}"]
+        otel_session.configure(dynamo_hosts=patterns)
+        with otel_session.trajectory() as traj:
+            httpx.get(f"http://localhost:{plain.port}/v1/models").raise_for_status()
+            httpx.get(f"https://localhost:{tls_dynamo.port}/v1/models", verify=client_ssl).raise_for_status()
+        assert plain.requests[0].get(SESSION_HEADER) is None
+    assert tls_dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+
+
+# ---- 5 and 6. what a server in the middle forwards ---------------------------------------------------
+
+
+def _forwarding_app(downstream: str) -> Starlette:
+    async def forward(request: Request) -> JSONResponse:
+        async with aiohttp.ClientSession() as session, session.get(downstream) as response:
+            return JSONResponse({"status": response.status})
+
+    app = Starlette(routes=[Route("/forward", forward)])
+    app.add_middleware(SessionMiddleware)
+    return app
+
+
+async def _aiohttp_downstream() -> tuple[web.AppRunner, int, list[dict[str, str]]]:
+    seen: list[dict[str, str]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        return web.json_response({"ok": True})
+
+    app = web.Application(middlewares=[aiohttp_session_middleware])
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, port, seen
+
+
+@pytest.mark.parametrize("size", [2700, 7900, 20_000])
+async def test_forwarded_baggage_stays_within_server_limits_and_keeps_the_session(size: int) -> None:
+    runner, port, seen = await _aiohttp_downstream()
+    try:
+        otel_session.configure(dynamo_hosts=["dynamo.invalid"], trusted_hosts=[f"127.0.0.1:{port}"])
+        with AsgiServer(_forwarding_app(f"http://127.0.0.1:{port}/")) as middle:
+            # Values full of characters the stock propagator would percent-encode (':' and '/').
+            members = [f"k{i}=http://a:b/{i:04}" for i in range(size // 20)]
+            inbound = ",".join(["session.id=episode:7", *members])[: max(size, 40)].rsplit(",", 1)[0]
+            async with httpx.AsyncClient() as client:
+                response = await client.get(f"{middle.url}/forward", headers={"baggage": inbound})
+        assert response.json() == {"status": 200}
+    finally:
+        await runner.cleanup()
+    if size > 8192:  # too large to read at all: dropped on the way in, never an error
+        assert "baggage" not in {k.lower() for k in seen[0]}
+        return
+    forwarded = next(v for k, v in seen[0].items() if k.lower() == "baggage")
+    assert len(forwarded) <= min(len(inbound), 8192)  # never grown
+    assert forwarded.startswith("session.id=episode:7")
+
+
+@pytest.mark.parametrize("server", ["starlette", "aiohttp"])
+async def test_with_tracing_off_a_server_does_not_forward_the_callers_traceparent(
+    server: str, dynamo: Recorder
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    caller = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", SESSION_HEADER: "s-1"}
+
+    async def call_dynamo() -> None:
+        async with aiohttp.ClientSession() as session, session.get(f"{dynamo.url}/v1/models") as response:
+            response.raise_for_status()
+
+    if server == "starlette":
+
+        async def endpoint(request: Request) -> JSONResponse:
+            await call_dynamo()
+            return JSONResponse({})
+
+        app = Starlette(routes=[Route("/", endpoint)])
+        app.add_middleware(SessionMiddleware)
+        with AsgiServer(app) as middle:
+            async with httpx.AsyncClient() as client:
+                (await client.get(middle.url, headers=caller)).raise_for_status()
+    else:
+
+        async def handler(request: web.Request) -> web.Response:
+            await call_dynamo()
+            return web.json_response({})
+
+        web_app = web.Application(middlewares=[aiohttp_session_middleware])
+        web_app.router.add_get("/", handler)
+        runner = web.AppRunner(web_app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with httpx.AsyncClient() as client:
+                (await client.get(f"http://127.0.0.1:{port}/", headers=caller)).raise_for_status()
+        finally:
+            await runner.cleanup()
+    [arrived] = dynamo.requests
+    assert arrived.get(SESSION_HEADER) == "s-1"
+    assert arrived.get("traceparent") is None
+
+
+# ---- 7. hand-set headers are left as set ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_hand_set_session_header_to_another_host_is_left_as_set(kind: str, other: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=["dynamo.invalid"])
+    with otel_session.trajectory() as traj:
+        assert traj.session_id is not None
+        await send(kind, other.url, headers={SESSION_HEADER: traj.session_id})
+    assert other.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
+def test_a_hand_set_header_stays_on_the_callers_request_object(other: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=["dynamo.invalid"])
+    with otel_session.trajectory() as traj, httpx.Client() as client:
+        assert traj.session_id is not None
+        request = client.build_request("GET", other.url, headers={SESSION_HEADER: traj.session_id})
+        client.send(request).raise_for_status()
+        client.send(request).raise_for_status()  # sent again: still as the caller set it
+    assert request.headers[SESSION_HEADER] == traj.session_id
+    assert [r.get(SESSION_HEADER) for r in other.requests] == [traj.session_id] * 2
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_callers_baggage_to_a_trusted_host_is_merged(kind: str, gym: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=["dynamo.invalid"], trusted_hosts=[gym.authority])
+    with otel_session.trajectory() as traj:
+        await send(kind, gym.url, headers={"baggage": "tenant=acme"})
+    assert gym.requests[-1].get("baggage") == f"tenant=acme,session.id={traj.session_id}"
+
+
+@pytest.mark.parametrize("kind", ["httpx", "httpx-async", "aiohttp"])
+async def test_a_callers_traceparent_to_dynamo_is_kept_with_tracing_on(kind: str, dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+    mine = "00-11111111111111111111111111111111-2222222222222222-01"
+    with otel_session.trajectory() as traj:
+        await send(kind, dynamo.url, headers={"traceparent": mine})
+    assert dynamo.requests[-1].get("traceparent") == mine
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
+def test_the_callers_request_object_keeps_its_own_baggage_and_traceparent(gym: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=["dynamo.invalid"], trusted_hosts=[gym.authority], tracing=True)
+    with otel_session.trajectory(), httpx.Client() as client:
+        mine = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+        own = {"baggage": "tenant=acme", "traceparent": mine}
+        request = client.build_request("GET", gym.url, headers=own)
+        client.send(request).raise_for_status()
+    assert request.headers["baggage"] == "tenant=acme"
+    assert request.headers["traceparent"] == mine
+
+
+# ---- 8. stock propagators that would leak are named at startup -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("propagators", "warned"),
+    [
+        ("dynamo_session,baggage", "baggage"),
+        ("dynamo_session,tracecontext", "tracecontext"),
+        ("tracecontext,baggage,dynamo_session", "tracecontext and baggage"),
+        ("dynamo_session", None),
+    ],
+)
+def test_leaky_propagator_combinations_are_warned_about_once(
+    tmp_path: Path, propagators: str, warned: str | None
+) -> None:
+    script = tmp_path / "rollout.py"
+    script.write_text("import httpx\nprint('ran')\n")
+    env = {
+        "PATH": str(Path(sys.executable).parent),
+        "OTEL_PROPAGATORS": propagators,
+        "OTEL_PYTHON_DISTRO": "distro",  # opentelemetry-distro: the upstream one
+        "OTEL_PYTHON_CONFIGURATOR": "configurator",
+        "OTEL_TRACES_EXPORTER": "none",
+        "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none",
+        "OTEL_SESSION_DYNAMO_HOSTS": "dynamo:8000",
+    }
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "opentelemetry-instrument"), sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ran" in done.stdout
+    lines = [line for line in done.stderr.splitlines() if "OTEL_PROPAGATORS" in line]
+    if warned is None:
+        assert lines == [], done.stderr
+    else:
+        assert len(lines) == 1, done.stderr
+        assert f"stock {warned} propagator" in lines[0] and "OTEL_PROPAGATORS=dynamo_session" in lines[0]
+        assert "Traceback" not in done.stderr
+
+
+# ---- what the mutation test found untested ----------------------------------------------------------
+
+
+def test_configure_twice_then_unconfigure_restores_the_propagator_from_before() -> None:
+    mine = CompositePropagator([TraceContextTextMapPropagator()])
+    propagate.set_global_textmap(mine)
+    try:
+        otel_session.configure(dynamo_hosts=["a"])
+        otel_session.configure(dynamo_hosts=["b"])
+        assert isinstance(propagate.get_global_textmap(), otel_session.SessionPropagator)
+        otel_session.unconfigure()
+        assert propagate.get_global_textmap() is mine
+    finally:
+        stock = [TraceContextTextMapPropagator(), W3CBaggagePropagator()]
+        propagate.set_global_textmap(CompositePropagator(stock))
+
+
+def test_the_tracing_argument_false_wins_over_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SESSION_TRACING", "true")
+    settings = otel_session.configure(dynamo_hosts=["a"], tracing=False)
+    assert settings.tracing is False
+    with otel_session.trajectory() as traj:
+        assert not traj.span.get_span_context().is_valid
+
+
+def test_re_adopting_the_current_id_inside_a_nested_trajectory_is_not_nesting(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as outer, otel_session.trajectory(session_id=outer.session_id) as inner:
+        assert inner.session_id == outer.session_id and inner.parent_session_id is None
+        httpx.get(f"{dynamo.url}/x").raise_for_status()
+    assert dynamo.requests[0].get(SESSION_HEADER) == outer.session_id
+    assert dynamo.requests[0].get("x-dynamo-parent-session-id") is None
