@@ -240,18 +240,27 @@ async def measure_aiohttp(url: str, inproc: bool, setup: Setup, traj: bool, n: i
     trace_configs = (
         [] if setup.instrument is False else [create_trace_config(tracer_provider=setup.instrument)]
     )
-    connector = canned_aiohttp_connector() if inproc else aiohttp.TCPConnector()
-    session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
     seen: list[str | None] = []
     checking = True
+
+    def on_request(head: bytes) -> None:
+        """The request as written to the (in-memory) socket, after every hook ran."""
+        if checking:
+            found = None
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == SESSION_HEADER.encode():
+                    found = value.strip().decode()
+            seen.append(found)
+
+    connector = canned_aiohttp_connector(on_request=on_request) if inproc else aiohttp.TCPConnector()
+    session = aiohttp.ClientSession(connector=connector, trace_configs=trace_configs)
 
     async def run(count: int) -> None:
         for _ in range(count):
             async with session.post(f"{url}/v1/chat/completions", json=PAYLOAD) as response:
                 response.raise_for_status()
                 await response.read()
-                if checking:  # the headers as sent, after every hook ran
-                    seen.append(response.request_info.headers.get(SESSION_HEADER))
 
     try:
         with maybe_trajectory(traj):

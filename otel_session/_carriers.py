@@ -152,40 +152,12 @@ def copy_headers(headers: Any, how: int | None = None) -> Any:
     return headers.copy()
 
 
-def copy_request(request: Any, entries: list[Any] | None = None) -> Any:
-    """A shallow copy of an httpx ``Request`` with its own headers: same body, same extensions.
-
-    ``entries``: the caller's own header entries, where the request's are lent to a hop right now.
-    """
+def copy_request(request: Any) -> Any:
+    """A shallow copy of an httpx ``Request`` with its own headers: same body, same extensions."""
     clone = object.__new__(type(request))
     clone.__dict__.update(request.__dict__)
     clone.headers = copy_headers(request.headers)
-    if entries is not None:
-        clone.headers._list = list(entries)
     return clone
-
-
-def lend(headers: Any) -> list[Any] | None:
-    """Give a fast ``Headers`` entries of its own for one hop; returns the caller's, for ``give_back``.
-
-    ``None`` for any other carrier: the hop then edits a copy instead. Lending costs one list copy,
-    and giving back one assignment, whatever was edited in between.
-    """
-    if _kinds.get(type(headers)) != _ENTRIES:
-        return None
-    entries: list[Any] = headers._list
-    headers._list = list(entries)
-    return entries
-
-
-def give_back(headers: Any, entries: list[Any]) -> None:
-    """Put the caller's own entries back after the hop that ``lend`` made them for."""
-    headers._list = entries
-
-
-def relend(headers: Any, entries: list[Any]) -> None:
-    """Start the hop's entries afresh from the caller's (a hop planned again)."""
-    headers._list = list(entries)
 
 
 def apply(

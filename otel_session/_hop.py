@@ -15,15 +15,21 @@ from opentelemetry.context import Context, get_current
 
 from otel_session import _carriers, _settings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, session_ids
-from otel_session._hosts import Route
+from otel_session._hosts import Route, canonical_origin
 from otel_session._policy import NO_OFFER, Edit, Offer, names_for, plan
 
 
 class Hop(NamedTuple):
-    """What the propagator needs to know about the hop in progress: its route, and what we added."""
+    """What the propagator needs to know about the hop in progress: its route, and what we added.
+
+    ``authority``: the hop's own ``Host`` header, where it has one. A carrier that shows another
+    (a request some other client sends from inside this hop, a transport's audit call, say) is not
+    this hop's, and gets nothing: the check can only ever withhold, never grant.
+    """
 
     route: Route
     added: frozenset[str]
+    authority: str | None = None
 
 
 class Prepared(NamedTuple):
@@ -96,8 +102,8 @@ def prepare(
     profile = route.profile
     if profile is not None and prepared.edits and prepared.edits[0][0] == profile.session_header:
         visits = ctx.get(ROUTER_VISITS_KEY)
-        if isinstance(visits, set):
-            visits.add((profile.name, scheme, host, port))
+        if isinstance(visits, set) and host:
+            visits.add((profile.name, *canonical_origin(scheme, host, port)))
     return prepared
 
 

@@ -12,6 +12,7 @@ scheme (``dynamo.internal``, ``dynamo.internal:8000``) matches any scheme, on an
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -61,6 +62,16 @@ def normalize_host(host: str) -> str | None:
     if ":" in host:
         return _normalize_ip(host)
     return _normalize_ip(host) or _normalize_name(host)
+
+
+@functools.lru_cache(maxsize=1024)
+def canonical_origin(scheme: str, host: str, port: int | None) -> tuple[str, str, int | None]:
+    """One spelling per origin (scheme family, normalized host, port with the default filled in):
+    ``[::1]`` and ``[0:0:0:0:0:0:0:1]``, port ``None`` and 80, are one router to tell a session ended."""
+    family = _SCHEME_FAMILY.get(scheme.lower(), scheme.lower())
+    if port is None:
+        port = _DEFAULT_PORTS.get(family)
+    return family, normalize_host(host) or host.lower(), port
 
 
 def _parse_port(text: str, pattern: str) -> int:

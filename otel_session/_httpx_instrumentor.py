@@ -1,11 +1,11 @@
 """httpx and httpx2 (what the openai SDK uses): the session on every hop, for that hop only.
 
 ``Client._send_single_request`` runs once per hop, so every transport, every redirect hop and every
-retry passes through it, for clients created before or after instrumenting. A hop that gains headers
-gets header entries of its own, lent for that hop and given back after it (``_carriers.lend``), so
-the caller's ``Request`` comes back as it was and the redirect httpx builds from it carries nothing
-of ours. The same ``Request`` sent by two trajectories at once: the second hop edits a copy, made
-from the caller's own entries, so each carries its own ID.
+retry passes through it, for clients created before or after instrumenting. A hop where anything may
+be written (our headers, or a propagator's inside an upstream instrumentation) is sent as a copy of
+the caller's ``Request`` with headers of its own: the caller's object is never edited, so the same
+``Request`` sent by two trajectories (or threads) at once carries each its own ID, and the redirect
+httpx builds from it carries nothing of ours.
 
 A transport may still send the request somewhere else than its URL said (a custom transport that
 re-targets it before handing it to ``HTTPTransport``): there, at the last point before the socket,
@@ -23,41 +23,38 @@ from otel_session import _carriers, _faults, _hop, _propagator
 from otel_session._context import HOP_KEY
 from otel_session._instrumentor import SessionInstrumentor, Wrapper
 
-# Hops in flight: id(sent request) -> (the request, the destination it was planned for, the plan,
-# the caller's own header entries if they were lent to the hop, else None).
-_in_flight: dict[int, tuple[Any, tuple[str, str, int | None], _hop.Prepared, list[Any] | None]] = {}
+# Hops in flight: id(request sent) -> (that request: our copy, or the caller's own where the hop had
+# nothing to write; the destination it was planned for; the plan; the caller's own headers).
+_in_flight: dict[int, tuple[Any, tuple[str, str, int | None], _hop.Prepared, Any]] = {}
 
-Plan = tuple[Any, object, int, "list[Any] | None"]  # (request sent, context token, key, lent entries)
+Plan = tuple[Any, object, int]  # (request sent, context token or None, in-flight key)
 
 
 def _begin(request: Any) -> Plan | None:
-    """What to send for this hop and how to end it; ``None``: send the request as it is."""
+    """What to send for this hop and how to end it; ``None``: send the caller's request as it is."""
     url = request.url
-    headers = request.headers
-    prepared = _hop.prepare(headers, url.scheme, url.host, url.port)
+    prepared = _hop.prepare(request.headers, url.scheme, url.host, url.port)
     if prepared is None:
         return None
-    sent, lent = request, None
-    if prepared.edits:
-        busy = _in_flight.get(id(request))
-        if busy is None and (lent := _carriers.lend(headers)) is not None:
-            _carriers.apply(headers, prepared.edits, held=prepared.held)
-        else:  # sent by another hop right now (or no fast headers): this hop edits a copy
-            sent = _carriers.copy_request(request, busy[3] if busy is not None else None)
-            _carriers.apply(sent.headers, prepared.edits, held=prepared.held)
+    announce = prepared.watched or not _propagator.is_sole_global()
+    sent = request
+    if prepared.edits or announce:
+        # A copy whenever anything may be written in this hop, by us or by a propagator an upstream
+        # instrumentation calls: the caller's object is never edited, whoever else sends it meanwhile.
+        sent = _carriers.copy_request(request)
+        _carriers.apply(sent.headers, prepared.edits, held=prepared.held)
     key = id(sent)
-    _in_flight[key] = (sent, (url.scheme, url.host, url.port), prepared, lent)
+    _in_flight[key] = (sent, (url.scheme, url.host, url.port), prepared, request.headers)
     token = None
-    if prepared.watched or not _propagator.is_sole_global():
-        token = otel_context.attach(otel_context.set_value(HOP_KEY, prepared.hop))
-    return sent, token, key, lent
+    if announce:
+        hop = prepared.hop._replace(authority=sent.headers.get("host"))
+        token = otel_context.attach(otel_context.set_value(HOP_KEY, hop))
+    return sent, token, key
 
 
 def _finish(plan: Plan) -> None:
-    sent, token, key, lent = plan
+    _, token, key = plan
     _in_flight.pop(key, None)
-    if lent is not None:
-        _carriers.give_back(sent.headers, lent)
     if token is not None:
         otel_context.detach(token)  # type: ignore[arg-type]
 
@@ -119,29 +116,18 @@ def _replan_if_moved(request: Any) -> Any:
     if (url.scheme, url.host, url.port) == entry[1]:
         return request
     try:
-        sent, planned, lent = request, entry[2], entry[3]
-        if planned.edits and lent is not None:
-            _carriers.relend(request.headers, lent)  # back to the caller's headers, ours gone
-        elif planned.edits:  # a copy of ours: build it again from the caller's
-            return _replan_copy(request, url)
-        again = _hop.prepare(request.headers, url.scheme, url.host, url.port)
-        if again is not None and again.edits:
-            if lent is None:  # still the caller's own headers, unlent: edit a copy
-                sent = _carriers.copy_request(request)
+        again = _hop.prepare(entry[3], url.scheme, url.host, url.port)
+        sent = request
+        if request.headers is not entry[3]:  # our copy: back to the caller's headers, ours gone
+            request.headers = _carriers.copy_headers(entry[3])
+        elif again is not None and again.edits:  # the caller's own object: edit a copy of it
+            sent = _carriers.copy_request(request)
+        if again is not None:
             _carriers.apply(sent.headers, again.edits, held=again.held)
         return sent
     except Exception as exc:
         _faults.report("planning a re-targeted request again", exc)
         return request
-
-
-def _replan_copy(request: Any, url: Any) -> Any:
-    for name, _ in _in_flight[id(request)][2].edits:
-        _carriers.remove(request.headers, name)
-    again = _hop.prepare(request.headers, url.scheme, url.host, url.port)
-    if again is not None:
-        _carriers.apply(request.headers, again.edits, held=again.held)
-    return request
 
 
 def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

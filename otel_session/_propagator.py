@@ -50,6 +50,8 @@ class SessionPropagator(TextMapPropagator):
             hop = ctx.get(HOP_KEY)
             if not isinstance(hop, _hop.Hop):
                 return  # no destination known: nothing added, nothing taken
+            if hop.authority is not None and _carriers.read(carrier, ("host",)).get("host") != hop.authority:
+                return  # another request, sent from inside the hop: its destination is unknown
             settings = _settings.active()
             offer = _hop.offer_for(ctx, settings is not None and settings.tracing)
             held = _carriers.read(carrier, names_for(hop.route))

@@ -49,12 +49,15 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")
 # written into one of them would break the request or leak where it must not.
 _RESERVED = frozenset(
     {
-        "authorization", "baggage", "connection", "content-encoding", "content-length", "content-type",
-        "cookie", "expect", "host", "keep-alive", "proxy-authorization", "proxy-connection", "set-cookie",
-        "te", "traceparent", "tracestate", "trailer", "transfer-encoding", "upgrade",
+        "authorization", "baggage", "connection", "cookie", "date", "expect", "forwarded", "host",
+        "keep-alive", "max-forwards", "origin", "pragma", "priority", "proxy-authorization",
+        "proxy-connection", "range", "referer", "set-cookie", "te", "traceparent", "tracestate", "trailer",
+        "transfer-encoding", "upgrade", "user-agent", "via", "cache-control",
         SESSION_HEADER.lower(), PARENT_SESSION_HEADER.lower(), "x-dynamo-session-final",
     }
 )  # fmt: skip
+# Whole families of headers HTTP, browsers and proxies give a meaning to.
+_RESERVED_PREFIXES = ("accept", "content-", "if-", "sec-", "x-forwarded-", "proxy-", "access-control-")
 
 
 def profile_named(name: str) -> Profile:
@@ -69,7 +72,7 @@ def profile_named(name: str) -> Profile:
         header = text[len(CUSTOM_PREFIX) :].strip()
         if not _TOKEN.fullmatch(header):
             raise ValueError(f"router profile {name!r}: {header!r} is not a valid HTTP header name")
-        if header.lower() in _RESERVED:
+        if header.lower() in _RESERVED or header.lower().startswith(_RESERVED_PREFIXES):
             raise ValueError(f"router profile {name!r}: {header!r} is reserved; choose another header")
         return Profile(CUSTOM_PREFIX + header, header)
     known = ", ".join(BUILTIN)

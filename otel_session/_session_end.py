@@ -27,11 +27,13 @@ import contextlib
 import contextvars
 import json
 import threading
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from otel_session import _settings
 from otel_session._faults import logger, report
@@ -51,7 +53,14 @@ _ENDED_CAP = 65_536
 Visit = tuple[str, str, str, int | None]  # (profile name, scheme, host, port), as the hooks record it
 
 # Never through a proxy from the environment: the notice goes where the trajectory's requests went.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A notice goes to the router it names, nowhere else: a redirect is an error, never followed."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        raise urllib.error.HTTPError(req.full_url, code, f"not following a redirect to {newurl}", headers, fp)
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
 _in_flight = threading.BoundedSemaphore(_MAX_IN_FLIGHT)
 _ended: OrderedDict[tuple[str, Visit], None] = OrderedDict()
 _ended_lock = threading.Lock()

@@ -19,6 +19,7 @@ import pytest
 from opentelemetry import propagate
 from opentelemetry.context import Context
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+from opentelemetry.propagators.composite import CompositePropagator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -27,6 +28,7 @@ from starlette.routing import Route
 import otel_session
 from otel_session import SESSION_HEADER, _carriers, _faults, _propagator, servers
 from otel_session._hosts import HostRules
+from otel_session._propagator import SessionPropagator
 from tests.clients import CLIENTS, send
 from tests.gym_servers import AsgiServer
 from tests.recorder import Recorder, wait_until
@@ -97,8 +99,13 @@ async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
 async def test_a_failing_propagator_under_the_upstream_instrumentation_fails_nothing(
     dynamo: Recorder, other: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The instrumentor injects through the global propagator (ours): its failure stays contained."""
+    """The instrumentor injects through the global propagator (ours): its failure stays contained.
+
+    Ours is composed (as ``OTEL_PROPAGATORS`` builds it), so every hop tells it where it goes and it
+    plans each request; alone, with tracing off, it has nothing to add after the hooks and is skipped.
+    """
     otel_session.configure(dynamo_hosts=[dynamo.authority])
+    propagate.set_global_textmap(CompositePropagator([SessionPropagator()]))
     monkeypatch.setattr(_propagator, "plan", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     client = httpx.AsyncClient()
@@ -179,16 +186,12 @@ async def test_each_failing_place_is_logged_once_whatever_the_volume(
 # ---- what a partial failure still gets wrong ------------------------------------------------------
 
 
-def _fail_on_second_call(original: Any) -> Any:
-    calls = []
+def _fail_after_the_first_edit(original: Any) -> Any:
+    def apply(carrier: Any, edits: list[tuple[str, str | None]], *args: Any, **kwargs: Any) -> None:
+        original(carrier, edits[:1], *args, **kwargs)
+        raise Boom("forced failure after the first header was added")
 
-    def write(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args)
-        if len(calls) == 2:
-            raise Boom("forced failure after the first header was added")
-        return original(*args, **kwargs)
-
-    return write
+    return apply
 
 
 @pytest.mark.parametrize("kind", CLIENTS)
@@ -197,7 +200,7 @@ async def test_a_failure_midway_sends_the_callers_request_as_it_was(
 ) -> None:
     """Dynamo that is also trusted: the session header is added, then writing baggage fails."""
     otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[dynamo.authority])
-    monkeypatch.setattr(_carriers, "write", _fail_on_second_call(_carriers.write))
+    monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
     with otel_session.trajectory():
         await send(kind, dynamo.url)
     [seen] = dynamo.requests
@@ -208,7 +211,7 @@ def test_a_failure_midway_leaves_the_callers_request_object_as_it_was(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["dynamo.internal:8000"])
-    monkeypatch.setattr(_carriers, "write", _fail_on_second_call(_carriers.write))
+    monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200))) as client:
         request = client.build_request("GET", "http://dynamo.internal:8000/v1/models")
         with otel_session.trajectory():

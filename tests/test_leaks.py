@@ -8,9 +8,11 @@ servers with a test CA (trustme), redirect targets, the upstream OpenTelemetry i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -473,3 +475,138 @@ def test_re_adopting_the_current_id_inside_a_nested_trajectory_is_not_nesting(dy
         httpx.get(f"{dynamo.url}/x").raise_for_status()
     assert dynamo.requests[0].get(SESSION_HEADER) == outer.session_id
     assert dynamo.requests[0].get("x-dynamo-parent-session-id") is None
+
+
+# ---- what the attack on this version found ---------------------------------------------------------
+
+
+def test_one_request_object_sent_from_many_threads_at_once(dynamo: Recorder) -> None:
+    """Each thread its own trajectory, all sending one ``Request``: each its own ID, never an error."""
+    import threading
+
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    client = httpx.Client()
+    shared = client.build_request("GET", f"{dynamo.url}/v1/models")
+    sent: list[str] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with otel_session.trajectory() as traj:
+                for _ in range(25):
+                    client.send(shared).raise_for_status()
+                    assert traj.session_id is not None
+                    sent.append(traj.session_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    client.close()
+    assert errors == []
+    assert sorted(r.get(SESSION_HEADER) or "" for r in dynamo.requests) == sorted(sent)
+    assert SESSION_HEADER not in shared.headers
+
+
+def _redirect_everything_to(target: Recorder, seen: list[str] | None = None) -> Starlette:
+    async def redirect(request: Request) -> Any:
+        from starlette.responses import RedirectResponse
+
+        if seen is not None:
+            seen.append(request.url.path)
+        return RedirectResponse(f"{target.url}/elsewhere", status_code=302)
+
+    return Starlette(routes=[Route("/{path:path}", redirect, methods=["GET", "POST"])])
+
+
+@pytest.mark.parametrize("kind", ["httpx", "httpx-async", "openai"])
+async def test_with_tracing_on_a_redirect_outside_a_trajectory_carries_no_traceparent(
+    kind: str, other: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: dropped
+    with AsgiServer(_redirect_everything_to(other)) as dynamo:
+        otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+        with contextlib.suppress(Exception):  # the redirect target answers what it answers
+            await send(kind, dynamo.url)
+    assert other.requests, "the redirect was followed"
+    for seen in other.requests:
+        assert not seen.names() & OURS, seen.headers
+
+
+def test_with_tracing_on_the_callers_request_object_is_left_as_it_was(
+    other: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    otel_session.configure(dynamo_hosts=[other.authority], tracing=True)
+    with httpx.Client() as client:
+        request = client.build_request("GET", f"{other.url}/x")
+        before = list(request.headers.multi_items())
+        client.send(request).raise_for_status()
+    assert list(request.headers.multi_items()) == before
+
+
+class AuditingTransport(httpx.HTTPTransport):
+    """A transport that reports each request to an audit host (with ``requests``) before sending it."""
+
+    def __init__(self, audit: Recorder) -> None:
+        super().__init__()
+        self.audit = audit
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        requests.post(f"{self.audit.url}/audit", data=b"", timeout=10)
+        return super().handle_request(request)
+
+
+def test_a_request_sent_from_inside_a_hop_is_not_that_hops(
+    dynamo: Recorder, other: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+    RequestsInstrumentor().instrument()
+    try:
+        with otel_session.trajectory() as traj, httpx.Client(transport=AuditingTransport(other)) as client:
+            client.get(f"{dynamo.url}/v1/models").raise_for_status()
+    finally:
+        RequestsInstrumentor().uninstrument()
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+    [audit] = other.requests
+    assert not audit.names() & OURS, audit.headers
+
+
+def test_an_end_of_session_notice_never_follows_a_redirect(other: Recorder) -> None:
+    paths: list[str] = []
+    with AsgiServer(_redirect_everything_to(other, paths)) as router:
+        otel_session.configure(routers={"vllm-router": [router.authority]}, end_sessions=True)
+        with otel_session.trajectory(), httpx.Client() as client:
+            client.get(f"{router.url}/v1/models")  # the router answers 302: not followed by the client
+        deadline = time.monotonic() + 5
+        while "/finish_session" not in paths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    assert paths == ["/v1/models", "/finish_session"]  # the notice reached the router, which redirected
+    assert other.requests == []  # and it went no further
+
+
+def test_one_router_reached_by_two_spellings_is_told_once() -> None:
+    """``[::1]`` and ``[0:0:0:0:0:0:0:1]``, httpx and aiohttp: one router, one notice."""
+    with Recorder(host="::1") as router:
+        patterns = [f"[::1]:{router.port}"]
+        otel_session.configure(routers={"vllm-router": patterns}, end_sessions=True)
+        with otel_session.trajectory():
+            httpx.get(f"http://[::1]:{router.port}/v1/models")
+            httpx.get(f"http://[0:0:0:0:0:0:0:1]:{router.port}/v1/models")
+            asyncio.run(_aiohttp_get(f"http://[::1]:{router.port}/v1/models"))
+        deadline = time.monotonic() + 5
+        while not any(r.path == "/finish_session" for r in router.requests) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # a second notice, were there one, would have arrived by now
+        finished = [r for r in router.requests if r.path == "/finish_session"]
+    assert len(finished) == 1, [r.path for r in router.requests]
+
+
+async def _aiohttp_get(url: str) -> None:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        await response.read()
