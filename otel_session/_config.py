@@ -77,14 +77,14 @@ def configure(
         _settings.set_active(settings)  # first: the instrumentors must see a configuration
         # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so its
         # wrappers must sit above ours. A missing SDK or bad exporter variable then undoes all of this.
-        fresh = [i for i in _clients() if not i.is_instrumented_by_opentelemetry]
-        instrument_clients()
+        already = {name for name in INSTRUMENTORS if _instrumented(name)}
+        fresh = [name for name in instrument_clients() if name not in already]
         try:
             _tracing.apply(settings.tracing)
         except Exception:
             _settings.set_active(previous)
-            for instrumentor in fresh:
-                instrumentor.uninstrument()
+            for name in fresh:  # only what this call instrumented: uninstrumenting the rest would warn
+                _instrumentor_class(name)().uninstrument()
             raise
         current = propagate.get_global_textmap()
         if not isinstance(current, SessionPropagator):
@@ -102,6 +102,10 @@ def _instrumentor_class(name: str) -> type[SessionInstrumentor]:
     module, class_name = INSTRUMENTORS[name]
     found: type[SessionInstrumentor] = getattr(importlib.import_module(module), class_name)
     return found
+
+
+def _instrumented(name: str) -> bool:
+    return bool(_instrumentor_class(name)().is_instrumented_by_opentelemetry)
 
 
 def _clients() -> list[SessionInstrumentor]:
