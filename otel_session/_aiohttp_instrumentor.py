@@ -32,12 +32,13 @@ async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
     saved = None
     token = None
     try:
-        url = instance.url
-        # aiohttp's own instrumentation injects before this, with no destination: under a stock
-        # propagator composed with ours, what it copied is taken back here, where the hop is known.
-        sole = _propagator.is_sole_global()
-        prepared = _hop.prepare(headers, url.scheme, url.raw_host, url.port, callers_only=sole)
-        if prepared is not None:
+        now = _hop.now()
+        if now is not None:
+            url = instance.url
+            # aiohttp's own instrumentation injects before this, with no destination: under a stock
+            # propagator composed with ours, what it copied is taken back here, where the hop is known.
+            sole = _propagator.is_sole_global()
+            prepared = _hop.prepare(now, headers, url.scheme, url.raw_host, url.port, callers_only=sole)
             if prepared.edits:
                 saved = _carriers.snapshot(headers)
                 _carriers.apply(headers, prepared.edits)

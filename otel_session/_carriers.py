@@ -12,6 +12,7 @@ falls back to the public API.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable, MutableMapping
 from typing import Any
 
@@ -103,6 +104,23 @@ def read(carrier: Any, names: tuple[str, ...]) -> dict[str, str]:
     return held
 
 
+def holds_any(carrier: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``carrier`` holds any of ``names`` (lower-case). The usual request holds none of ours,
+    and a fast ``Headers`` answers that without a Python loop over its headers."""
+    if _kinds.get(type(carrier)) == _ENTRIES:
+        encoded = _encoded_sets.get(names)
+        if encoded is None:
+            encoded = frozenset(name.encode("latin-1") for name in names)
+            if len(_encoded_sets) < 256:
+                _encoded_sets[names] = encoded
+        return not encoded.isdisjoint(map(_LOWER_NAME, carrier._list))
+    return bool(read(carrier, names))
+
+
+_LOWER_NAME = operator.itemgetter(1)
+_encoded_sets: dict[tuple[str, ...], frozenset[bytes]] = {}
+
+
 def remove(carrier: Any, name: str) -> None:
     """Take header ``name`` (any case, every occurrence) out of ``carrier``."""
     how = _kinds.get(type(carrier))
@@ -145,19 +163,99 @@ def write(carrier: Any, name: str, value: str, setter: Setter[Any] | None = None
 def copy_headers(headers: Any, how: int | None = None) -> Any:
     """A copy of an httpx ``Headers`` to edit for one hop, leaving the caller's object as it was."""
     if (how if how is not None else kind_of(headers)) == _ENTRIES:
-        clone = object.__new__(type(headers))
-        clone.__dict__.update(headers.__dict__)
-        clone._list = list(headers._list)
-        return clone
+        return _copy(headers, "_list", list(headers._list))
     return headers.copy()
 
 
-def copy_request(request: Any) -> Any:
-    """A shallow copy of an httpx ``Request`` with its own headers: same body, same extensions."""
-    clone = object.__new__(type(request))
-    clone.__dict__.update(request.__dict__)
-    clone.headers = copy_headers(request.headers)
+def copy_request(request: Any, edits: list[tuple[str, str | None]], held: frozenset[str]) -> Any:
+    """A shallow copy of an httpx ``Request`` (same body, same extensions) whose own headers carry
+    ``edits``; ``held`` as for ``apply``. The caller's ``Request`` and its headers stay as they were."""
+    headers = request.headers
+    appended = _appended(edits) if not held and _kinds.get(type(headers)) == _ENTRIES else None
+    if appended is not None:  # the usual hop: new headers appended to a copy of the caller's list
+        copy = _copy(headers, "_list", headers._list + appended)
+    else:
+        copy = copy_headers(headers)
+        apply(copy, edits, held=held)
+    return _copy(request, "headers", copy)
+
+
+_MISSING = object()
+# The attributes, in the order ``__init__`` sets them, of the httpx types copied on every hop. A type
+# whose probe instance shows exactly these is copied by the two functions below; any other layout
+# attribute by attribute as its probe showed it, and any other type through ``__dict__``.
+_REQUEST_LAYOUT = ("method", "url", "headers", "extensions", "stream", "_content")
+_HEADERS_LAYOUT = ("_list", "_encoding")
+_fields: dict[type, tuple[str, ...] | None] = {}
+_COPIED_BY_FIELD = frozenset(
+    {("httpx", "Request"), ("httpx2", "Request"), ("httpx", "Headers"), ("httpx2", "Headers")}
+)
+
+
+def _fields_of(kind: type) -> tuple[str, ...] | None:
+    try:
+        if (kind.__module__.partition(".")[0], kind.__qualname__) not in _COPIED_BY_FIELD:
+            return None
+        request = kind.__qualname__ == "Request"
+        probe = kind("GET", "http://probe.invalid/", content=b"x") if request else kind()
+        return tuple(name for name in vars(probe) if isinstance(name, str))
+    except Exception:
+        return None
+
+
+def _copy(obj: Any, name: str, value: Any) -> Any:
+    """A shallow copy of ``obj`` whose attribute ``name`` is ``value``.
+
+    Built attribute by attribute where the type's attributes are known: copying ``__dict__`` whole
+    (reading it, writing another) leaves both objects with materialised dicts, which CPython's
+    attribute caches handle slower on every later read; httpx reads a request's attributes often
+    enough for that to cost more per request than everything else otel-session does.
+    """
+    kind = type(obj)
+    fields = _fields.get(kind)
+    if fields is None and kind not in _fields:
+        fields = _fields_of(kind)
+        if len(_fields) < 64:
+            _fields[kind] = fields
+    clone = object.__new__(kind)
+    if fields == _REQUEST_LAYOUT and name == "headers":
+        clone.method, clone.url, clone.headers = obj.method, obj.url, value
+        clone.extensions, clone.stream = obj.extensions, obj.stream
+        content = getattr(obj, "_content", _MISSING)
+        if content is not _MISSING:
+            clone._content = content
+    elif fields == _HEADERS_LAYOUT and name == "_list":
+        clone._list, clone._encoding = value, obj._encoding
+    elif fields is not None:
+        for field in fields:
+            current = value if field == name else getattr(obj, field, _MISSING)
+            if current is not _MISSING:
+                setattr(clone, field, current)
+    else:
+        clone.__dict__.update(obj.__dict__)
+        setattr(clone, name, value)
     return clone
+
+
+# The entries of the last edit list seen, as a fast ``Headers`` keeps them: one trajectory's requests
+# to one router share one list of edits (the plan's cache keeps it). Swapped whole, so thread-safe.
+_last_appended: tuple[object, list[tuple[bytes, bytes, bytes]] | None] = (None, None)
+
+
+def _appended(edits: list[tuple[str, str | None]]) -> list[tuple[bytes, bytes, bytes]] | None:
+    """``edits`` as ``_list`` entries to append, or ``None`` if one takes a header away or is not ASCII."""
+    global _last_appended
+    last = _last_appended
+    if last[0] is edits:
+        return last[1]
+    entries = [
+        (name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii"))
+        for name, value in edits
+        if value is not None and name.isascii() and value.isascii()
+    ]
+    found = entries if len(entries) == len(edits) else None
+    _last_appended = (edits, found)
+    return found
 
 
 def apply(

@@ -68,49 +68,93 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
     return offer
 
 
-def prepare(
-    headers: Any, scheme: str, host: str | None, port: int | None, *, callers_only: bool = True
-) -> Prepared | None:
-    """What this hop's ``headers`` must gain; ``None`` when there is nothing to do at all.
+# What the context offers a request at this moment, under the configuration in force: (settings,
+# context, offer, watched: tracing is on or a span is current, see ``Prepared``). A plain tuple: one
+# is built for every request in a trajectory.
+Now = tuple[_settings.Settings, Context, Offer, bool]
 
-    Outside a trajectory, with no baggage and tracing off, that is the first thing it finds out.
-    ``callers_only=False`` where a stock propagator may already have written into ``headers``.
-    """
+
+def now() -> Now | None:
+    """What a request sent now could carry; ``None`` when nothing at all (no configuration, or
+    outside any trajectory with no baggage and tracing off): the usual untraced request outside a
+    trajectory learns that before its destination is even read."""
     settings = _settings.active()
     if settings is None:
         return None
     ctx = get_current()
     offer = offer_for(ctx, settings.tracing)
     watched = settings.tracing or offer.traceparent is not None
-    empty = offer.session is None and not offer.baggage and not watched
-    if empty and not settings.tracing:
+    if offer.session is None and not offer.baggage and not watched:
         return None
+    return settings, ctx, offer, watched
+
+
+def prepare(
+    now: Now, headers: Any, scheme: str, host: str | None, port: int | None, *, callers_only: bool = True
+) -> Prepared:
+    """What this hop's ``headers`` must gain, sent ``now`` to that destination.
+
+    ``callers_only=False`` where a stock propagator may already have written into ``headers``.
+    """
+    global _recent
+    settings, ctx, offer, watched = now
+    recent = _recent
+    if (
+        recent.offer is offer
+        and recent.host == host
+        and recent.port == port
+        and recent.scheme == scheme
+        and recent.settings is settings
+        and recent.callers_only is callers_only
+        and not _carriers.holds_any(headers, recent.names)
+    ):  # the usual request: a trajectory's next turn to the same router
+        if recent.visit is not None:
+            _visited(ctx, recent.visit)
+        return recent.prepared
     route = settings.rules.route(scheme, host, port)
-    if empty or (not route and callers_only):
-        return Prepared([], Hop(route, frozenset()), watched, frozenset())
-    held = _carriers.read(headers, names_for(route))
-    global _last_plan
-    last = _last_plan
-    if not held and last[0] is offer and last[1] is route:  # the usual request: as the one before
-        prepared = last[2]
-    else:
+    names: tuple[str, ...] = ()
+    held: dict[str, str] = {}
+    edits: list[Edit] = []
+    if route or not callers_only:  # else: nothing to add, nothing to take back
+        names = names_for(route)
+        held = _carriers.read(headers, names)
         edits = plan(route, offer, held, callers_only=callers_only)
-        added = frozenset(name.lower() for name, value in edits if value is not None)
-        prepared = Prepared(edits, Hop(route, added), watched, frozenset(held))
-        if not held:
-            _last_plan = (offer, route, prepared)
+    added = frozenset(name.lower() for name, value in edits if value is not None)
+    prepared = Prepared(edits, Hop(route, added), watched, frozenset(held))
     profile = route.profile
-    if profile is not None and prepared.edits and prepared.edits[0][0] == profile.session_header:
-        visits = ctx.get(ROUTER_VISITS_KEY)
-        if isinstance(visits, set) and host:
-            visits.add((profile.name, *canonical_origin(scheme, host, port)))
+    visit = None
+    ends = settings.end_sessions  # else no trajectory keeps a set of routers to tell
+    if ends and profile is not None and host and edits and edits[0][0] == profile.session_header:
+        visit = (profile.name, *canonical_origin(scheme, host, port))
+        _visited(ctx, visit)
+    if not held:
+        _recent = _Recent(offer, scheme, host, port, settings, callers_only, names, prepared, visit)
     return prepared
 
 
-# The plan for the last (offer, route) whose request held none of our headers: a trajectory's turns
-# to one router ask the same question every time. Swapped whole, so thread-safe.
-_last_plan: tuple[object, object, Prepared] = (
-    None,
-    None,
-    Prepared([], Hop(Route(), frozenset()), False, frozenset()),
+def _visited(ctx: Context, visit: tuple[str, str, str, int | None]) -> None:
+    """Note for ``trajectory()`` (when it ends sessions) a router this trajectory's session reached."""
+    visits = ctx.get(ROUTER_VISITS_KEY)
+    if isinstance(visits, set):
+        visits.add(visit)
+
+
+class _Recent(NamedTuple):
+    """The last hop prepared whose request held none of our headers, and what made it."""
+
+    offer: object
+    scheme: str
+    host: str | None
+    port: int | None
+    settings: object
+    callers_only: bool
+    names: tuple[str, ...]
+    prepared: Prepared
+    visit: tuple[str, str, str, int | None] | None
+
+
+# A trajectory's turns to one router ask the same question every time: answered once, then from
+# here while the context, destination and configuration stay the same. Swapped whole: thread-safe.
+_recent = _Recent(
+    None, "", None, None, None, True, (), Prepared([], Hop(Route(), frozenset()), False, frozenset()), None
 )

@@ -38,7 +38,7 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def __init__(self) -> None:
         if hasattr(self, "_lock"):
             return  # BaseInstrumentor is a singleton per class: every call returns the same object
-        self._wanted = False
+        self.active = False  # whether calls through the patched methods do anything (instrumented now)
         self._installed: list[tuple[Any, str, Wrapper]] = []
         self._hook_registered = False
         self._lock = threading.RLock()  # the import hook may fire inside _instrument
@@ -67,12 +67,12 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
             activate_environment()
         with self._lock:
-            self._wanted = True
+            self.active = True
             module = sys.modules.get(self.library)
             if not self._hook_registered:
                 self._hook_registered = True
                 # Runs at once if the library is imported already; the hook cannot be removed, so it
-                # checks ``_wanted`` whenever it fires.
+                # checks ``active`` whenever it fires.
                 wrapt.register_post_import_hook(self._imported, self.library)
                 return
         if module is not None:
@@ -80,7 +80,7 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def _imported(self, module: ModuleType) -> None:
         with self._lock:
-            if not self._wanted or self._installed:
+            if not self.active or self._installed:
                 return
             try:
                 for owner, name, wrapper in self.targets(module):
@@ -92,15 +92,18 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def _uninstrument(self, **kwargs: Any) -> None:
         with self._lock:
-            self._wanted = False
+            self.active = False
             for owner, name, wrapper in self._installed:
                 _unwrap(owner, name, wrapper)
             self._installed = [t for t in self._installed if _holds(t[0].__dict__.get(t[1]), t[2])]
 
-    @property
-    def active(self) -> bool:
-        """Whether calls through the patched methods should do anything (instrumented now)."""
-        return self._wanted
+    def patch(self, owner: Any, name: str, wrapper: Wrapper) -> None:
+        """Patch one more method now, while instrumented: a hook only some processes turn out to need
+        (taken off with the others by ``uninstrument``)."""
+        with self._lock:
+            if self.active and not _holds(owner.__dict__[name], wrapper):
+                _wrap_innermost(owner, name, wrapper)
+                self._installed.append((owner, name, wrapper))
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
         """(class, method name, wrapt wrapper) for each method to patch in the imported ``module``."""

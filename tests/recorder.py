@@ -39,6 +39,10 @@ class Seen:
     def names(self) -> set[str]:
         return {key.lower() for key, _ in self.headers}
 
+    def values(self, name: str) -> list[str]:
+        """Every value of header ``name`` (any casing), in order: a header sent twice shows twice."""
+        return [value for key, value in self.headers if key.lower() == name.lower()]
+
 
 @dataclass
 class Recorder(Served):

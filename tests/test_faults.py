@@ -194,29 +194,59 @@ def _fail_after_the_first_edit(original: Any) -> Any:
     return apply
 
 
+def _fail_once_the_headers_are_copied(original: Any) -> Any:
+    """httpx's usual hop copies the caller's headers with ours appended, then the ``Request``: the
+    second copy fails, once the first holds every header of ours."""
+
+    def copy(obj: Any, name: str, value: Any) -> Any:
+        if name == "headers":
+            raise Boom("forced failure after the headers were copied with ours")
+        return original(obj, name, value)
+
+    return copy
+
+
+def _fail_midway(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if where == "apply":
+        monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
+    else:
+        monkeypatch.setattr(_carriers, "_copy", _fail_once_the_headers_are_copied(_carriers._copy))
+
+
+@pytest.mark.parametrize("where", ["apply", "copy"])
 @pytest.mark.parametrize("kind", CLIENTS)
 async def test_a_failure_midway_sends_the_callers_request_as_it_was(
-    kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+    kind: str, where: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Dynamo that is also trusted: the session header is added, then writing baggage fails."""
+    """Dynamo that is also trusted: the session header is added, then writing baggage fails (or, on
+    httpx's usual hop, both are in the headers' copy and copying the request fails)."""
     otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[dynamo.authority])
-    monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
-    with otel_session.trajectory():
+    _fail_midway(where, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory():
         await send(kind, dynamo.url)
     [seen] = dynamo.requests
-    assert seen.get(SESSION_HEADER) is None and seen.get("baggage") is None  # all of ours, or none
+    # aiohttp edits through apply; httpx's usual hop appends to a copy without it, then copies the request
+    reached = {"apply": kind.startswith("aiohttp"), "copy": not kind.startswith("aiohttp")}[where]
+    assert bool(_reports(caplog)) == reached
+    ours = [seen.get(SESSION_HEADER), seen.get("baggage")]
+    assert ours == [None, None] if reached else None not in ours  # all of ours, or none
 
 
+@pytest.mark.parametrize("where", ["apply", "copy"])
 def test_a_failure_midway_leaves_the_callers_request_object_as_it_was(
-    monkeypatch: pytest.MonkeyPatch,
+    where: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["dynamo.internal:8000"])
-    monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
+    _fail_midway(where, monkeypatch)
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200))) as client:
         request = client.build_request("GET", "http://dynamo.internal:8000/v1/models")
-        with otel_session.trajectory():
+        request.headers["Traceparent"] = f"00-{'1' * 32}-{'2' * 16}-01"  # a held name: not the fast path
+        before = list(request.headers.multi_items())
+        with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory():
             client.send(request).raise_for_status()
-    assert SESSION_HEADER not in request.headers
+            client.send(request).raise_for_status()
+    assert list(request.headers.multi_items()) == before
+    assert _reports(caplog)
 
 
 async def test_a_failing_request_copy_does_not_leak_the_session_to_a_redirect_target(

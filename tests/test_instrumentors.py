@@ -105,3 +105,50 @@ def test_upstream_instrumentation_on_and_off_never_doubles_or_drops_ours(
     otel_session.unconfigure()
     httpx.get(f"{dynamo.url}/after")
     assert [r.get(SESSION_HEADER) for r in dynamo.requests] == [traj.session_id, None]
+
+
+TRANSPORT_PROBE = """
+    import json, os
+    import httpx, wrapt
+    import otel_session
+
+    def patched() -> bool:
+        return isinstance(httpx.HTTPTransport.__dict__["handle_request"], wrapt.FunctionWrapper)
+
+    class Retarget(httpx.BaseTransport):
+        def __init__(self) -> None:
+            self.inner = httpx.HTTPTransport()
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            request.url = request.url.copy_with(path="/retargeted")
+            host, port = os.environ["DYNAMO"].split(":")
+            request.url = request.url.copy_with(host=host, port=int(port))
+            return self.inner.handle_request(request)
+
+    otel_session.configure(dynamo_hosts=[os.environ["DYNAMO"]])
+    seen = [patched()]
+    with otel_session.trajectory() as traj:
+        httpx.get("http://" + os.environ["DYNAMO"] + "/stock")
+        seen.append(patched())
+        with httpx.Client(transport=Retarget()) as client:
+            client.get("http://" + os.environ["OTHER"] + "/custom")
+        seen.append(patched())
+    otel_session.unconfigure()
+    seen.append(patched())
+    print(json.dumps({"patched": seen, "session": traj.session_id}))
+"""
+
+
+def test_httpx_own_transport_is_patched_only_once_another_transport_is_used(
+    tmp_path: Path, dynamo: Recorder, other: Recorder
+) -> None:
+    """httpx's ``HTTPTransport`` sends where the URL says: a process whose clients all use it pays
+    for no hook there. The first request through another transport (which may re-target it) patches
+    it, that very request is planned again where it really goes, and unconfigure takes it off."""
+    report = _run(tmp_path, TRANSPORT_PROBE, DYNAMO=dynamo.authority, OTHER=other.authority)
+    assert report["patched"] == [False, False, True, False]
+    assert [(r.path, r.get(SESSION_HEADER)) for r in dynamo.requests] == [
+        ("/stock", report["session"]),
+        ("/retargeted", report["session"]),  # planned for a tool host, sent to Dynamo
+    ]
+    assert other.requests == []

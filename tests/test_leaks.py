@@ -370,6 +370,32 @@ def test_a_hand_set_header_stays_on_the_callers_request_object(other: Recorder) 
 
 
 @pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_hand_set_session_header_between_two_of_ours_is_left_as_set(
+    kind: str, dynamo: Recorder
+) -> None:
+    """A trajectory's turns to one router are answered from the last one's plan: a turn that holds a
+    header of its own in between is not, and is left as set, once."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as traj:
+        await send(kind, dynamo.url)
+        await send(kind, dynamo.url, headers={"x-DYNAMO-session-id": "mine"})
+        await send(kind, dynamo.url)
+    ours = [traj.session_id]
+    assert [r.values(SESSION_HEADER) for r in dynamo.requests] == [ours, ["mine"], ours]
+
+
+def test_configure_inside_a_trajectory_takes_effect_at_the_next_request(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as traj, httpx.Client() as client:
+        client.get(dynamo.url).raise_for_status()
+        otel_session.configure(dynamo_hosts=["dynamo.invalid"])
+        client.get(dynamo.url).raise_for_status()
+        otel_session.configure(dynamo_hosts=[dynamo.authority])
+        client.get(dynamo.url).raise_for_status()
+    assert [r.get(SESSION_HEADER) for r in dynamo.requests] == [traj.session_id, None, traj.session_id]
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
 async def test_a_callers_baggage_to_a_trusted_host_is_merged(kind: str, gym: Recorder) -> None:
     otel_session.configure(dynamo_hosts=["dynamo.invalid"], trusted_hosts=[gym.authority])
     with otel_session.trajectory() as traj:

@@ -9,14 +9,13 @@ Decoding is checked with OpenTelemetry's own ``W3CBaggagePropagator``, not with 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 from collections.abc import Iterator
 from urllib.parse import quote
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry import baggage
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -26,13 +25,7 @@ from otel_session import _w3c
 from otel_session._hosts import NOWHERE, Route
 from otel_session._policy import BAGGAGE, TRACEPARENT, Offer, names_for, plan
 from otel_session._routers import BUILTIN, DYNAMO, Profile, profile_named
-
-MANY = settings(
-    max_examples=10_000,
-    derandomize=os.environ.get("CI") == "true",
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+from tests.generated import MANY
 
 SESSION_KEY, PARENT_KEY = "session.id", "session.parent_id"
 PROFILES: list[Profile | None] = [
