@@ -461,14 +461,15 @@ class TaggedRequest(httpx.Request):
 def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> None:
     """``copy_request`` (httpx's usual hop: ours appended to a copy, attribute by attribute) against
     the public API: the copy's headers are the caller's with ``plan``'s edits made publicly, every
-    other attribute is the caller's own (body read or streaming, extensions, a subclass's own), and
+    other attribute is the caller's own (body read or streaming, extensions, a subclass's or a
+    caller's own attribute), and
     the caller's ``Request`` is exactly as it was."""
 
     @MANY
     @given(
         existing_headers(),
         st.sampled_from([httpx, httpx2]),
-        st.sampled_from(["bytes", "stream", "subclass"]),
+        st.sampled_from(["bytes", "stream", "subclass", "attribute"]),
         st.sampled_from(ROUTES),
         hop_offers(),
     )
@@ -477,6 +478,8 @@ def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> No
         content: Any = iter([b"chunk"]) if body == "stream" else b'{"a": 1}'
         headers = [(name.encode(), value.encode()) for name, value in pairs]
         request = kind("POST", "http://dynamo.internal:8000/v1", headers=headers, content=content)
+        if body == "attribute":
+            request.tag = "set by the caller"  # an exact httpx Request with an attribute of its own
         before = (list(request.headers.raw), dict(vars(request)))
         held = _carriers.read(request.headers, names_for(route))
         edits = plan(route, offer, held)

@@ -169,6 +169,25 @@ def test_a_transport_that_retargets_the_request_is_planned_again(dynamo: Recorde
     assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
 
 
+class TagReadingTransport(httpx.HTTPTransport):
+    """A transport that reads an attribute the caller's event hook put on the request."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        assert request.tag == "from the hook"  # type: ignore[attr-defined]
+        return super().handle_request(request)
+
+
+def test_a_hops_copy_keeps_what_the_caller_put_on_the_request(dynamo: Recorder) -> None:
+    def tag(request: httpx.Request) -> None:
+        request.tag = "from the hook"  # type: ignore[attr-defined]
+
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    client = httpx.Client(transport=TagReadingTransport(), event_hooks={"request": [tag]})
+    with otel_session.trajectory() as traj, client as c:
+        c.post(f"{dynamo.url}/v1/chat/completions", json={"model": "m"}).raise_for_status()
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+
+
 async def test_one_request_object_sent_by_two_trajectories_at_once(dynamo: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     async with httpx.AsyncClient() as client:
