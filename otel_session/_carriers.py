@@ -11,7 +11,6 @@ falls back to the public API.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Iterable, MutableMapping
 from typing import Any
@@ -65,9 +64,17 @@ def kind_of(carrier: Any) -> int:
     return found
 
 
-@functools.lru_cache(maxsize=256)
 def _encoded(names: tuple[str, ...]) -> dict[bytes, str]:
-    return {name.encode("latin-1"): name for name in names}
+    """``names`` as a fast ``Headers`` keeps lower-case names, to the names: read on every request."""
+    found = _encodings.get(names)
+    if found is None:
+        found = {name.encode("latin-1"): name for name in names}
+        if len(_encodings) < 256:  # names come from the few configured routes; bounded all the same
+            _encodings[names] = found
+    return found
+
+
+_encodings: dict[tuple[str, ...], dict[bytes, str]] = {}
 
 
 def read(carrier: Any, names: tuple[str, ...]) -> dict[str, str]:
@@ -108,17 +115,11 @@ def holds_any(carrier: Any, names: tuple[str, ...]) -> bool:
     """Whether ``carrier`` holds any of ``names`` (lower-case). The usual request holds none of ours,
     and a fast ``Headers`` answers that without a Python loop over its headers."""
     if _kinds.get(type(carrier)) == _ENTRIES:
-        encoded = _encoded_sets.get(names)
-        if encoded is None:
-            encoded = frozenset(name.encode("latin-1") for name in names)
-            if len(_encoded_sets) < 256:
-                _encoded_sets[names] = encoded
-        return not encoded.isdisjoint(map(_LOWER_NAME, carrier._list))
+        return not _encoded(names).keys().isdisjoint(map(_LOWER_NAME, carrier._list))
     return bool(read(carrier, names))
 
 
 _LOWER_NAME = operator.itemgetter(1)
-_encoded_sets: dict[tuple[str, ...], frozenset[bytes]] = {}
 
 
 def remove(carrier: Any, name: str) -> None:
