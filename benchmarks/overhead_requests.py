@@ -3,16 +3,16 @@
     python benchmarks/overhead_requests.py            # about 1 minute on 2 cores
     python benchmarks/overhead_requests.py --quick    # half the requests, a smoke check
 
-A second view, narrower than ``overhead.py`` (two whole processes, what a user pays): the CPU of
-the hook itself, tracing off. One configured process, one client, its requests alternately
-through otel-session's hook and around it ("bare": the client's own method, ``__wrapped__`` under
+A second view, narrower than ``overhead.py`` (two whole processes, what a user pays): the CPU of the
+hook itself, tracing off. One configured process, one client, its requests alternately through otel-
+session's hook and around it ("bare": the transport's or request's own method, ``__wrapped__`` under
 the hook, shadowed on that instance: the client with nothing installed), in a trajectory to the
 Dynamo host, to another host, and outside any trajectory; to Dynamo a third kind takes turns, bare
-but setting the header by hand, the floor for any way of delivering it. Each request is timed on
-its own and the lower quartiles compared: thousands of requests interleaved on one connection, so
-the machine's other load and each connection's own timing fall out of the difference. What it
-leaves out is everything the process pays as a whole (imports, what a patched method costs the
-interpreter, a trajectory's own cost): that is ``overhead.py``'s figure.
+but setting the header by hand, the floor for any way of delivering it. Each request is timed on its
+own and the lower quartiles compared: thousands of requests interleaved on one connection, so the
+machine's other load and each connection's own timing fall out of the difference. What it leaves out
+is everything the process pays as a whole (imports, what a patched method costs the interpreter, a
+trajectory's own cost): that is ``overhead.py``'s figure.
 
 In-process rows use a transport that answers without a socket (see ``overhead_clients.py``), so
 they are the client library's own CPU plus ours; loopback rows talk to ``_servers.py`` in its own
@@ -72,10 +72,11 @@ PAIRED_TARGETS = (
 class Toggled:
     """One client whose requests go through otel-session's hook or not, switched per request.
 
-    "Bare" shadows the hooked method with the original one on this instance only (for aiohttp: the
-    session's request class), so both kinds of request share the client, its pool and its very
-    connection: nothing but the hook differs. (Two separate clients do not compare well over
-    loopback: each connection's timing settles differently, by more than the hook costs.)
+    "Bare" shadows the hooked method with the original one on this instance only (httpx: the
+    client's transport; aiohttp: the session's request class), so both kinds of request share the
+    client, its pool and its very connection: nothing but the hook differs. (Two separate clients do
+    not compare well over loopback: each connection's timing settles differently, by more than the
+    hook costs.)
     """
 
     def __init__(self, client: str, url: str, inproc: bool) -> None:
@@ -86,11 +87,11 @@ class Toggled:
             self.http: Any = (
                 cls(transport=httpx.MockTransport(Canned(httpx, check=False))) if inproc else cls()
             )
-            self.target, self.bare = self.http, unhooked(cls, "_send_single_request")
+            self._shadow("handle_async_request" if client == "httpx-async" else "handle_request")
         elif client == "openai-sync":
             transport = httpx2.MockTransport(Canned(httpx2, check=False)) if inproc else None
             self.http = httpx2.Client(transport=transport)
-            self.target, self.bare = self.http, unhooked(httpx2.Client, "_send_single_request")
+            self._shadow("handle_request")
             self.openai = openai.OpenAI(
                 base_url=f"{url}/v1", api_key="bench", http_client=self.http, max_retries=0
             )
@@ -100,13 +101,18 @@ class Toggled:
             original = unhooked(aiohttp.ClientRequest, "send")
             self.bare_request = type("BareRequest", (aiohttp.ClientRequest,), {"send": original})
 
+    def _shadow(self, method: str) -> None:
+        """httpx's hook is on the client's transport class: "bare" shadows it on this transport."""
+        self.target, self.method = self.http._transport, method
+        self.bare = unhooked(type(self.target), method)
+
     def hooked(self, on: bool) -> None:
         if self.kind == "aiohttp":
             self.http._request_class = aiohttp.ClientRequest if on else self.bare_request
         elif on:
-            self.target.__dict__.pop("_send_single_request", None)
+            self.target.__dict__.pop(self.method, None)
         else:
-            self.target.__dict__["_send_single_request"] = self.bare.__get__(self.target)
+            self.target.__dict__[self.method] = self.bare.__get__(self.target)
 
     def sender(self, headers: dict[str, str] | None = None) -> Callable[[], Any]:
         if self.kind == "httpx-sync":

@@ -1,176 +1,166 @@
 """httpx and httpx2 (what the openai SDK uses): the session on every hop, for that hop only.
 
-``Client._send_single_request`` runs once per hop, so every transport, every redirect hop and every
-retry passes through it, for clients created before or after instrumenting. A hop where anything may
-be written (our headers, or a propagator's inside an upstream instrumentation) is sent as a copy of
-the caller's ``Request`` with headers of its own: the caller's object is never edited, so the same
-``Request`` sent by two trajectories (or threads) at once carries each its own ID, and the redirect
-httpx builds from it carries nothing of ours.
+A hop is planned at the last point before the socket, where its destination is final. For httpx's own
+transport that is ``HTTPTransport.handle_request`` (and the async twin): it dials the request's URL as
+it is, once per hop (every redirect and retry), so the hop is planned there for that URL and sent as a
+stand-in for the caller's ``Request`` with headers of its own. The client above it (its cookie jar,
+its logging) never sees ours, and pays nothing for them.
 
-httpx's own transport dials the request's URL as it is. Any other transport may send the request
-somewhere else (one that re-targets it before handing it to ``HTTPTransport``): for those, and only
-once a process uses one, ``HTTPTransport`` itself is patched too, and a request whose destination
-changed after we planned it is planned again there, at the last point before the socket.
+A transport of any other class (a test double, an in-process app, one that re-targets requests or
+wraps another) may never reach ``HTTPTransport``: every such class is patched too, when instrumenting
+(those that exist) or when a client using it is built (those defined later). It plans the hop for the
+URL it was handed and sends a copy; if it hands that copy to ``HTTPTransport`` for another URL, the
+hop is planned again there.
+
+The caller's object is never edited, so the same ``Request`` sent by two trajectories (or threads) at
+once carries each its own ID, and the redirect httpx builds from it carries nothing of ours.
 """
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
-from opentelemetry import context as otel_context
-
 from otel_session import _carriers, _faults, _hop, _propagator
-from otel_session._context import HOP_KEY
 from otel_session._instrumentor import SessionInstrumentor, Wrapper
+from otel_session._policy import Edit
 
-# Hops through a transport other than httpx's own, in flight: id(request sent) -> (that request: our
+# Hops planned by a transport other than httpx's own, in flight: id(request sent) -> (that request: our
 # copy, or the caller's own where the hop had nothing to write; the destination it was planned for;
 # the caller's own headers).
 _in_flight: dict[int, tuple[Any, tuple[str, str, int | None], Any]] = {}
-
-Plan = tuple[Any, object, int | None]  # (request to send, context token or None, in-flight key or None)
-
-
-class _Hooks:
-    """The wrappers for one httpx-like library, made once so that patching can recognise them."""
-
-    def __init__(self, instrumentor: SessionInstrumentor, module: ModuleType) -> None:
-        self.instrumentor, self.module = instrumentor, module
-        self.stock = (module.HTTPTransport, module.AsyncHTTPTransport)
-        self.transports: list[tuple[Any, str, Wrapper]] = [
-            (module.HTTPTransport, "handle_request", _handle_request),
-            (module.AsyncHTTPTransport, "handle_async_request", _handle_async_request),
-        ]
-        self.send: Wrapper = self._send
-        self.send_async: Wrapper = self._send_async
-
-    def begin(self, request: Any, client: Any) -> Plan | None:
-        """What to send for this hop and how to end it; ``None``: send the caller's request as it is."""
-        now = _hop.now()
-        if now is None:
-            return None
-        url = request.url
-        scheme, host, port = url.scheme, url.host, url.port
-        prepared = _hop.prepare(now, request.headers, scheme, host, port)
-        announce = prepared.watched or not _propagator.is_sole_global()
-        stock = type(_transport(client, url)) in self.stock
-        if stock and not (prepared.edits or announce):
-            return None
-        sent = request
-        if prepared.edits or announce:
-            # A copy whenever anything may be written in this hop, by us or by a propagator an upstream
-            # instrumentation calls: the caller's object is never edited, whoever else sends it meanwhile.
-            sent = _carriers.copy_request(request, prepared.edits, prepared.held)
-        key = None
-        if not stock:
-            for owner, name, wrapper in self.transports:
-                self.instrumentor.patch(owner, name, wrapper)
-            key = id(sent)
-            _in_flight[key] = (sent, (scheme, host, port), request.headers)
-        token = None
-        if announce:
-            hop = prepared.hop._replace(authority=sent.headers.get("host"))
-            token = otel_context.attach(otel_context.set_value(HOP_KEY, hop))
-        return sent, token, key
-
-    def _safe_begin(self, request: Any, client: Any) -> Plan | None:
-        try:
-            return self.begin(request, client)
-        except Exception as exc:  # a bug of ours must not fail the request
-            _faults.report("adding session headers to a request", exc)
-            return None
-
-    def _send(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self.instrumentor.active or not args:
-            return wrapped(*args, **kwargs)
-        plan = self._safe_begin(args[0], instance)
-        if plan is None:
-            return wrapped(*args, **kwargs)
-        try:
-            response = wrapped(plan[0], *args[1:], **kwargs)
-        finally:
-            if plan[1] is not None or plan[2] is not None:
-                _finish(plan)
-        return _as_sent_by_caller(response, args[0])
-
-    async def _send_async(
-        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        if not self.instrumentor.active or not args:
-            return await wrapped(*args, **kwargs)
-        plan = self._safe_begin(args[0], instance)
-        if plan is None:
-            return await wrapped(*args, **kwargs)
-        try:
-            response = await wrapped(plan[0], *args[1:], **kwargs)
-        finally:
-            if plan[1] is not None or plan[2] is not None:
-                _finish(plan)
-        return _as_sent_by_caller(response, args[0])
+_STOCK_METHODS = ("handle_request", "handle_async_request")
+# Request classes whose library's own transport reads no attribute of a request beyond what
+# ``_carriers.request_for_transport`` sets (checked on its code when patching): sent as such a
+# stand-in there. Any other (a subclass, a transport that reads more) is sent as a full copy.
+_stand_ins_for: set[type] = set()
 
 
-def _transport(client: Any, url: Any) -> Any:
-    """The transport ``client`` sends ``url`` through (``None`` if that cannot be told)."""
+def _transport_reads_only_the_basics(module: ModuleType) -> bool:
+    """Whether httpx's own transports read, of a ``Request``, only ``_carriers.TRANSPORT_READS``."""
     try:
-        return client._transport_for_url(url) if client._mounts else client._transport
+        probe = module.Request("GET", "http://localhost")
+        attributes = {name for name in dir(probe) if not name.startswith("__")} | set(vars(probe))
+        for method in (module.HTTPTransport.handle_request, module.AsyncHTTPTransport.handle_async_request):
+            names = set(inspect.unwrap(method).__code__.co_names)  # under any wrapper already on it
+            if not names & attributes <= _carriers.TRANSPORT_READS:
+                return False
+        return True
     except Exception:
+        return False
+
+
+def _plan(request: Any) -> _hop.Prepared | None:
+    """``request``'s hop planned for its URL; ``None``: nothing could be added (see ``_hop.now``).
+
+    A stock propagator composed with ours may have written our values already (an upstream
+    instrumentation above this hook injecting through it): then what is recognisably ours is taken
+    back where it must not go.
+    """
+    now = _hop.now()
+    if now is None:
         return None
+    url = request.url
+    callers_only = _propagator.is_sole_global()
+    return _hop.prepare(now, request.headers, url.scheme, url.host, url.port, callers_only=callers_only)
 
 
-def _finish(plan: Plan) -> None:
+def _at_transport(request: Any) -> Any:
+    """What httpx's own transport sends for ``request``: planned here, for the URL it dials, unless a
+    transport above planned it (then planned again only if that transport sent it elsewhere)."""
     try:
-        _, token, key = plan
-        if key is not None:
-            _in_flight.pop(key, None)
-        if token is not None:
-            otel_context.detach(token)  # type: ignore[arg-type]
-    except Exception as exc:
-        _faults.report("ending a request's hop", exc)
-
-
-def _as_sent_by_caller(response: Any, request: Any) -> Any:
-    """The response names the caller's ``Request`` (not a hop's copy): a re-send of it starts clean."""
-    if response.request is not request:
-        response.request = request
-    return response
-
-
-def _replan_if_moved(request: Any) -> Any:
-    """The request to send: planned again if a transport changed where it goes after we planned it."""
-    entry = _in_flight.get(id(request))
-    if entry is None or entry[0] is not request:
+        if _in_flight:
+            entry = _in_flight.get(id(request))
+            if entry is not None and entry[0] is request:
+                return _replan_if_moved(request, entry)
+        prepared = _plan(request)
+        if prepared is None or not prepared.edits:
+            return request
+        if type(request) in _stand_ins_for:
+            return _carriers.request_for_transport(request, prepared.edits, prepared.held)
+        return _carriers.copy_request(request, prepared.edits, prepared.held)
+    except Exception as exc:  # a bug of ours must not fail the request
+        _faults.report("adding session headers to a request", exc)
         return request
+
+
+def _replan_if_moved(request: Any, entry: tuple[Any, tuple[str, str, int | None], Any]) -> Any:
+    """The request to send: planned again if a transport changed where it goes after we planned it."""
     url = request.url
     if (url.scheme, url.host, url.port) == entry[1]:
         return request
-    try:
-        callers = entry[2]
-        now = _hop.now()
-        again = _hop.prepare(now, callers, url.scheme, url.host, url.port) if now is not None else None
-        edits, held = (again.edits, again.held) if again is not None else ([], frozenset())
-        if request.headers is not callers:  # our copy: back to the caller's headers, ours gone
-            request.headers = _carriers.copy_headers(callers)
-            _carriers.apply(request.headers, edits, held=held)
-            return request
-        return _carriers.copy_request(request, edits, held) if edits else request
-    except Exception as exc:
-        _faults.report("planning a re-targeted request again", exc)
+    callers = entry[2]
+    now = _hop.now()
+    edits: list[Edit] = []
+    held: frozenset[str] = frozenset()
+    if now is not None:
+        sole = _propagator.is_sole_global()
+        again = _hop.prepare(now, callers, url.scheme, url.host, url.port, callers_only=sole)
+        edits, held = again.edits, again.held
+    if request.headers is not callers:  # our copy: back to the caller's headers, ours gone
+        request.headers = _carriers.copy_headers(callers)
+        _carriers.apply(request.headers, edits, held=held)
         return request
+    return _carriers.copy_request(request, edits, held) if edits else request
+
+
+def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
+    """A hop through a transport that may not be httpx's own: (what to send, its in-flight key)."""
+    try:
+        if _in_flight:
+            entry = _in_flight.get(id(request))
+            if entry is not None and entry[0] is request:
+                return None  # planned by a transport wrapping this one
+        prepared = _plan(request)
+        if prepared is None:
+            return None
+        sent = _carriers.copy_request(request, prepared.edits, prepared.held) if prepared.edits else request
+        url = request.url
+        key = id(sent)
+        _in_flight[key] = (sent, (url.scheme, url.host, url.port), request.headers)
+        return sent, key
+    except Exception as exc:  # a bug of ours must not fail the request
+        _faults.report("adding session headers to a request", exc)
+        return None
 
 
 def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if args and _in_flight:
-        args = (_replan_if_moved(args[0]), *args[1:])
+    if len(args) == 1 and not kwargs:  # as httpx calls it: no argument tuple to rebuild
+        return wrapped(_at_transport(args[0]))
+    if args:
+        args = (_at_transport(args[0]), *args[1:])
     return wrapped(*args, **kwargs)
 
 
 async def _handle_async_request(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    if args and _in_flight:
-        args = (_replan_if_moved(args[0]), *args[1:])
+    if args:
+        args = (_at_transport(args[0]), *args[1:])
     return await wrapped(*args, **kwargs)
+
+
+def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    begun = _begin_elsewhere(args[0]) if args else None
+    if begun is None:
+        return wrapped(*args, **kwargs)
+    try:
+        return wrapped(begun[0], *args[1:], **kwargs)
+    finally:
+        _in_flight.pop(begun[1], None)
+
+
+async def _handle_elsewhere_async(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    begun = _begin_elsewhere(args[0]) if args else None
+    if begun is None:
+        return await wrapped(*args, **kwargs)
+    try:
+        return await wrapped(begun[0], *args[1:], **kwargs)
+    finally:
+        _in_flight.pop(begun[1], None)
 
 
 class HTTPXSessionInstrumentor(SessionInstrumentor):
@@ -178,15 +168,59 @@ class HTTPXSessionInstrumentor(SessionInstrumentor):
 
     library = "httpx"
     requirement = "httpx >= 0.23"
-    _hooks: _Hooks | None = None
+
+    _module: ModuleType | None = None
+    _client_hook: Wrapper | None = None
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
-        if self._hooks is None or self._hooks.module is not module:
-            self._hooks = _Hooks(self, module)
-        return [
-            (module.Client, "_send_single_request", self._hooks.send),
-            (module.AsyncClient, "_send_single_request", self._hooks.send_async),
+        self._module = module
+        if _transport_reads_only_the_basics(module):
+            _stand_ins_for.add(module.Request)
+        if self._client_hook is None:
+            self._client_hook = self._client_built  # one object, for patching to recognise
+        found = [
+            (module.HTTPTransport, "handle_request", _handle_request),
+            (module.AsyncHTTPTransport, "handle_async_request", _handle_async_request),
+            (module.Client, "__init__", self._client_hook),
+            (module.AsyncClient, "__init__", self._client_hook),
         ]
+        for base in (module.BaseTransport, module.AsyncBaseTransport):
+            pending = list(base.__subclasses__())
+            while pending:
+                kind = pending.pop()
+                pending.extend(kind.__subclasses__())
+                found.extend(_elsewhere(kind, module))
+        return found
+
+    def _client_built(
+        self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A client's transports of classes defined since instrumenting are patched as it is built."""
+        built = wrapped(*args, **kwargs)
+        try:
+            module = self._module
+            for transport in (instance._transport, *instance._mounts.values()):
+                if transport is not None:
+                    for kind in type(transport).__mro__:
+                        for owner, name, wrapper in _elsewhere(kind, module) if module else ():
+                            self.patch(owner, name, wrapper)
+        except Exception as exc:  # a client we cannot look into is sent as it is, never broken
+            _faults.report(f"instrumenting a {self.library} transport", exc)
+        return built
+
+
+def _elsewhere(kind: type, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
+    """The methods of transport class ``kind`` to patch: the ones it defines itself, unless it is one
+    of httpx's own (patched apart) or one of the base classes."""
+    apart = (module.HTTPTransport, module.AsyncHTTPTransport, module.BaseTransport, module.AsyncBaseTransport)
+    if kind in apart:
+        return []
+    own = kind.__dict__
+    return [
+        (kind, name, wrapper)
+        for name, wrapper in zip(_STOCK_METHODS, (_handle_elsewhere, _handle_elsewhere_async), strict=True)
+        if callable(own.get(name))
+    ]
 
 
 class HTTPX2SessionInstrumentor(HTTPXSessionInstrumentor):

@@ -98,8 +98,8 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             self._installed = [t for t in self._installed if _holds(t[0].__dict__.get(t[1]), t[2])]
 
     def patch(self, owner: Any, name: str, wrapper: Wrapper) -> None:
-        """Patch one more method now, while instrumented: a hook only some processes turn out to need
-        (taken off with the others by ``uninstrument``)."""
+        """Patch one more method now, while instrumented: one of a class that appeared after
+        instrumenting (taken off with the others by ``uninstrument``)."""
         with self._lock:
             if self.active and not _holds(owner.__dict__[name], wrapper):
                 _wrap_innermost(owner, name, wrapper)

@@ -99,14 +99,12 @@ async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
 async def test_a_failing_propagator_under_the_upstream_instrumentation_fails_nothing(
     dynamo: Recorder, other: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The instrumentor injects through the global propagator (ours): its failure stays contained.
-
-    Ours is composed (as ``OTEL_PROPAGATORS`` builds it), so every hop tells it where it goes and it
-    plans each request; alone, with tracing off, it has nothing to add after the hooks and is skipped.
-    """
+    """The instrumentor injects through the global propagator (ours, composed as ``OTEL_PROPAGATORS``
+    builds it) on every hop, above our hook at httpx's transport: its failure is reported once and
+    stays contained, and delivery, planned below it, is unaffected."""
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     propagate.set_global_textmap(CompositePropagator([SessionPropagator()]))
-    monkeypatch.setattr(_propagator, "plan", _boom)
+    monkeypatch.setattr(_propagator, "get_current", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     client = httpx.AsyncClient()
     HTTPXClientInstrumentor.instrument_client(client)
@@ -194,23 +192,23 @@ def _fail_after_the_first_edit(original: Any) -> Any:
     return apply
 
 
-def _fail_once_the_headers_are_copied(original: Any) -> Any:
-    """httpx's usual hop copies the caller's headers with ours appended, then the ``Request``: the
-    second copy fails, once the first holds every header of ours."""
+def _fail_once_ours_are_in_a_copy(original: Any) -> Any:
+    """Every httpx hop builds headers of its own with ours, then the request around them: that
+    fails, once the headers hold every header of ours."""
 
-    def copy(obj: Any, name: str, value: Any) -> Any:
-        if name == "headers":
-            raise Boom("forced failure after the headers were copied with ours")
-        return original(obj, name, value)
+    def headers_with(*args: Any, **kwargs: Any) -> Any:
+        original(*args, **kwargs)
+        raise Boom("forced failure after the headers were copied with ours")
 
-    return copy
+    return headers_with
 
 
 def _fail_midway(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if where == "apply":
         monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
     else:
-        monkeypatch.setattr(_carriers, "_copy", _fail_once_the_headers_are_copied(_carriers._copy))
+        failing = _fail_once_ours_are_in_a_copy(_carriers._headers_with)
+        monkeypatch.setattr(_carriers, "_headers_with", failing)
 
 
 @pytest.mark.parametrize("where", ["apply", "copy"])
@@ -255,6 +253,7 @@ async def test_a_failing_request_copy_does_not_leak_the_session_to_a_redirect_ta
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     dynamo.redirect_to = other.url
     monkeypatch.setattr(_carriers, "copy_request", _boom)
+    monkeypatch.setattr(_carriers, "request_for_transport", _boom)
     async with httpx.AsyncClient(follow_redirects=True) as client:
         with otel_session.trajectory():
             (await client.get(f"{dynamo.url}/r/v1/models")).raise_for_status()

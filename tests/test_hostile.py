@@ -459,11 +459,12 @@ class TaggedRequest(httpx.Request):
 
 
 def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> None:
-    """``copy_request`` (httpx's usual hop: ours appended to a copy, attribute by attribute) against
-    the public API: the copy's headers are the caller's with ``plan``'s edits made publicly, every
-    other attribute is the caller's own (body read or streaming, extensions, a subclass's or a
-    caller's own attribute), and
-    the caller's ``Request`` is exactly as it was."""
+    """What a hop sends in place of the caller's ``Request`` against the public API: its headers are
+    the caller's with ``plan``'s edits made publicly, every other attribute is the caller's own
+    (body read or streaming, extensions, a subclass's or a caller's own attribute), and the caller's
+    ``Request`` is exactly as it was. ``copy_request`` (any other transport: a copy of the exact
+    type, attribute by attribute) and ``request_for_transport`` (httpx's own transport, for exact
+    ``Request`` types: only the attributes that transport reads)."""
 
     @MANY
     @given(
@@ -472,8 +473,11 @@ def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> No
         st.sampled_from(["bytes", "stream", "subclass", "attribute"]),
         st.sampled_from(ROUTES),
         hop_offers(),
+        st.sampled_from(["copy_request", "request_for_transport"]),
     )
-    def check(pairs: list[tuple[str, str]], module: Any, body: str, route: Route, offer: Offer) -> None:
+    def check(
+        pairs: list[tuple[str, str]], module: Any, body: str, route: Route, offer: Offer, how: str
+    ) -> None:
         kind = TaggedRequest if body == "subclass" and module is httpx else module.Request
         content: Any = iter([b"chunk"]) if body == "stream" else b'{"a": 1}'
         headers = [(name.encode(), value.encode()) for name, value in pairs]
@@ -483,15 +487,21 @@ def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> No
         before = (list(request.headers.raw), dict(vars(request)))
         held = _carriers.read(request.headers, names_for(route))
         edits = plan(route, offer, held)
-        sent = _carriers.copy_request(request, edits, frozenset(held))
+        sent = getattr(_carriers, how)(request, edits, frozenset(held))
         reference = module.Headers(request.headers.raw)
         apply_publicly(reference, edits)
         assert header_multiset(sent.headers) == header_multiset(reference), (pairs, edits)
         assert (list(request.headers.raw), dict(vars(request))) == before  # the caller's, untouched
-        assert type(sent) is type(request) and sent.headers is not request.headers
-        assert {k: v for k, v in vars(sent).items() if k != "headers"} == {
-            k: v for k, v in vars(request).items() if k != "headers"
-        }
+        assert sent is not request and sent.headers is not request.headers
+        if how == "copy_request":
+            assert type(sent) is type(request)
+            assert {k: v for k, v in vars(sent).items() if k != "headers"} == {
+                k: v for k, v in vars(request).items() if k != "headers"
+            }
+        else:
+            assert type(sent) is type(request) and set(vars(sent)) == _carriers.TRANSPORT_READS
+            shared = _carriers.TRANSPORT_READS - {"headers"}
+            assert all(getattr(sent, k) is getattr(request, k) for k in shared)
 
     check()
 

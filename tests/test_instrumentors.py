@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 import otel_session
-from otel_session import SESSION_HEADER
+from otel_session import SESSION_HEADER, _httpx_instrumentor
 from tests.recorder import Recorder
 
 NAMES = {"otel_session_httpx", "otel_session_httpx2", "otel_session_aiohttp"}
@@ -52,7 +53,7 @@ PROBE = """
     imported_by_configure = sorted(m for m in ("httpx", "httpx2", "aiohttp") if m in sys.modules)
     import httpx, aiohttp, wrapt
     patched = {
-        "httpx": isinstance(httpx.Client.__dict__["_send_single_request"], wrapt.FunctionWrapper),
+        "httpx": isinstance(httpx.HTTPTransport.__dict__["handle_request"], wrapt.FunctionWrapper),
         "aiohttp": isinstance(aiohttp.ClientRequest.__dict__["send"], wrapt.FunctionWrapper),
     }
     with otel_session.trajectory() as traj:
@@ -77,14 +78,26 @@ def test_disabled_instrumentations_are_honoured(tmp_path: Path, dynamo: Recorder
     assert report["patched"] == {"httpx": True, "aiohttp": False}
 
 
+PATCHED = (
+    (httpx.HTTPTransport, "handle_request"),
+    (httpx.AsyncHTTPTransport, "handle_async_request"),
+    (httpx.MockTransport, "handle_request"),
+    (httpx.MockTransport, "handle_async_request"),
+    (httpx.ASGITransport, "handle_async_request"),
+    (httpx.WSGITransport, "handle_request"),
+    (httpx.Client, "__init__"),
+    (httpx.AsyncClient, "__init__"),
+    (aiohttp.ClientRequest, "send"),
+)
+
+
 def test_unconfigure_puts_every_original_method_back() -> None:
-    originals = (httpx.Client.__dict__["_send_single_request"], aiohttp.ClientRequest.__dict__["send"])
+    originals = [owner.__dict__[name] for owner, name in PATCHED]
     assert not any(isinstance(method, wrapt.FunctionWrapper) for method in originals)
     otel_session.configure(dynamo_hosts=["d"])
-    assert isinstance(httpx.Client.__dict__["_send_single_request"], wrapt.FunctionWrapper)
+    assert all(isinstance(owner.__dict__[name], wrapt.FunctionWrapper) for owner, name in PATCHED)
     otel_session.unconfigure()
-    after = (httpx.Client.__dict__["_send_single_request"], aiohttp.ClientRequest.__dict__["send"])
-    assert after == originals
+    assert [owner.__dict__[name] for owner, name in PATCHED] == originals
 
 
 @pytest.mark.parametrize("order", ["ours-first", "upstream-first"])
@@ -112,10 +125,12 @@ TRANSPORT_PROBE = """
     import httpx, wrapt
     import otel_session
 
-    def patched() -> bool:
-        return isinstance(httpx.HTTPTransport.__dict__["handle_request"], wrapt.FunctionWrapper)
+    def patched(kind: type) -> bool:
+        return isinstance(kind.__dict__["handle_request"], wrapt.FunctionWrapper)
 
-    class Retarget(httpx.BaseTransport):
+    otel_session.configure(dynamo_hosts=[os.environ["DYNAMO"]])
+
+    class Retarget(httpx.BaseTransport):  # defined after configure(): patched when a client uses it
         def __init__(self) -> None:
             self.inner = httpx.HTTPTransport()
 
@@ -125,30 +140,56 @@ TRANSPORT_PROBE = """
             request.url = request.url.copy_with(host=host, port=int(port))
             return self.inner.handle_request(request)
 
-    otel_session.configure(dynamo_hosts=[os.environ["DYNAMO"]])
-    seen = [patched()]
+    class Answer(httpx.BaseTransport):  # never reaches httpx's own transport
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, json=dict(request.headers))
+
+    seen = [patched(httpx.HTTPTransport), patched(Retarget), patched(Answer)]
     with otel_session.trajectory() as traj:
         httpx.get("http://" + os.environ["DYNAMO"] + "/stock")
-        seen.append(patched())
         with httpx.Client(transport=Retarget()) as client:
             client.get("http://" + os.environ["OTHER"] + "/custom")
-        seen.append(patched())
+        with httpx.Client(mounts={"http://": Answer()}) as client:
+            answered = client.get("http://" + os.environ["DYNAMO"] + "/answered").json()
+    seen += [patched(Retarget), patched(Answer)]
     otel_session.unconfigure()
-    seen.append(patched())
-    print(json.dumps({"patched": seen, "session": traj.session_id}))
+    seen += [patched(httpx.HTTPTransport), patched(Retarget), patched(Answer)]
+    print(json.dumps({"patched": seen, "session": traj.session_id, "answered": answered}))
 """
 
 
-def test_httpx_own_transport_is_patched_only_once_another_transport_is_used(
+def test_a_transport_class_defined_later_is_patched_when_a_client_uses_it(
     tmp_path: Path, dynamo: Recorder, other: Recorder
 ) -> None:
-    """httpx's ``HTTPTransport`` sends where the URL says: a process whose clients all use it pays
-    for no hook there. The first request through another transport (which may re-target it) patches
-    it, that very request is planned again where it really goes, and unconfigure takes it off."""
+    """httpx's own transport is patched when httpx is; a transport class defined after configure()
+    when the first client using it is built (as a mount too). A hop it re-targets is planned again
+    where it really goes; one it answers itself carries the session; unconfigure takes all off."""
     report = _run(tmp_path, TRANSPORT_PROBE, DYNAMO=dynamo.authority, OTHER=other.authority)
-    assert report["patched"] == [False, False, True, False]
+    assert report["patched"] == [True, False, False, True, True, False, False, False]
     assert [(r.path, r.get(SESSION_HEADER)) for r in dynamo.requests] == [
         ("/stock", report["session"]),
         ("/retargeted", report["session"]),  # planned for a tool host, sent to Dynamo
     ]
     assert other.requests == []
+    answered = report["answered"]
+    assert isinstance(answered, dict)
+    assert answered.get(SESSION_HEADER.lower()) == report["session"]
+
+
+def test_httpx_own_transport_is_sent_a_stand_in_only_while_it_reads_no_more_than_that_carries() -> None:
+    """A stand-in carries only the attributes httpx's own transport reads, checked on its code: a
+    library whose transport read more (the body, say) would be sent full copies instead."""
+    import httpx2
+
+    otel_session.configure(dynamo_hosts=["d"])
+    assert {httpx.Request, httpx2.Request} <= _httpx_instrumentor._stand_ins_for
+
+    class Reading(httpx.HTTPTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, content=request.content)
+
+    library = types.SimpleNamespace(
+        Request=httpx.Request, HTTPTransport=Reading, AsyncHTTPTransport=httpx.AsyncHTTPTransport
+    )
+    assert not _httpx_instrumentor._transport_reads_only_the_basics(library)  # type: ignore[arg-type]
+    assert _httpx_instrumentor._transport_reads_only_the_basics(httpx)
