@@ -8,9 +8,10 @@ its logging) never sees ours, and pays nothing for them.
 
 A transport of any other class (a test double, an in-process app, one that re-targets requests or
 wraps another) may never reach ``HTTPTransport``: every such class is patched too, when instrumenting
-(those that exist) or when a client using it is built (those defined later). It plans the hop for the
-URL it was handed and sends a copy; if it hands that copy to ``HTTPTransport`` for another URL, the
-hop is planned again there.
+(those that exist) or when a client is built (those defined since). It plans the hop for the URL it
+was handed and sends a copy of ours; a transport of ours that receives that copy for another URL
+(re-targeted on the way) plans it again. A request called by name (``handle_request(request=...)``)
+is planned like one passed by position.
 
 The caller's object is never edited, so the same ``Request`` sent by two trajectories (or threads) at
 once carries each its own ID, and the redirect httpx builds from it carries nothing of ours.
@@ -24,11 +25,10 @@ from typing import Any
 
 from otel_session import _carriers, _faults, _hop, _propagator
 from otel_session._instrumentor import SessionInstrumentor, Wrapper
-from otel_session._policy import Edit
 
-# Hops planned by a transport other than httpx's own, in flight: id(request sent) -> (that request: our
-# copy, or the caller's own where the hop had nothing to write; the destination it was planned for;
-# the caller's own headers).
+# Hops planned by a transport other than httpx's own, in flight: id(our copy sent) -> (that copy; the
+# destination it was planned for; the caller's own headers). Never the caller's own object, which
+# another hop may be sending at the same moment.
 _in_flight: dict[int, tuple[Any, tuple[str, str, int | None], Any]] = {}
 _STOCK_METHODS = ("handle_request", "handle_async_request")
 # Request classes whose library's own transport reads no attribute of a request beyond what
@@ -86,36 +86,38 @@ def _at_transport(request: Any) -> Any:
 
 
 def _replan_if_moved(request: Any, entry: tuple[Any, tuple[str, str, int | None], Any]) -> Any:
-    """The request to send: planned again if a transport changed where it goes after we planned it."""
+    """Our copy, planned again if a transport changed where it goes after we planned it: the
+    caller's headers with what the new destination may receive (edited in place: it is ours)."""
     url = request.url
-    if (url.scheme, url.host, url.port) == entry[1]:
+    destination = (url.scheme, url.host, url.port)
+    if destination == entry[1]:
         return request
     callers = entry[2]
+    headers = _carriers.copy_headers(callers)
     now = _hop.now()
-    edits: list[Edit] = []
-    held: frozenset[str] = frozenset()
     if now is not None:
         sole = _propagator.is_sole_global()
-        again = _hop.prepare(now, callers, url.scheme, url.host, url.port, callers_only=sole)
-        edits, held = again.edits, again.held
-    if request.headers is not callers:  # our copy: back to the caller's headers, ours gone
-        request.headers = _carriers.copy_headers(callers)
-        _carriers.apply(request.headers, edits, held=held)
-        return request
-    return _carriers.copy_request(request, edits, held) if edits else request
+        again = _hop.prepare(now, callers, *destination, callers_only=sole)
+        _carriers.apply(headers, again.edits, held=again.held)
+    request.headers = headers
+    _in_flight[id(request)] = (request, destination, callers)
+    return request
 
 
 def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
-    """A hop through a transport that may not be httpx's own: (what to send, its in-flight key)."""
+    """A hop through a transport that may not be httpx's own: (our copy to send, its in-flight key);
+    ``None``: send what it was handed (nothing of ours to add, or a copy a transport wrapping this
+    one made, planned again here if that one sent it elsewhere)."""
     try:
         if _in_flight:
             entry = _in_flight.get(id(request))
             if entry is not None and entry[0] is request:
-                return None  # planned by a transport wrapping this one
+                _replan_if_moved(request, entry)
+                return None
         prepared = _plan(request)
-        if prepared is None:
-            return None
-        sent = _carriers.copy_request(request, prepared.edits, prepared.held) if prepared.edits else request
+        if prepared is None or not prepared.edits:
+            return None  # the caller's own object, as it is: any transport it reaches plans it afresh
+        sent = _carriers.copy_request(request, prepared.edits, prepared.held)
         url = request.url
         key = id(sent)
         _in_flight[key] = (sent, (url.scheme, url.host, url.port), request.headers)
@@ -125,28 +127,46 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
         return None
 
 
+def _request_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The request a transport method was called with, by position or by name (``None``: neither)."""
+    return args[0] if args else kwargs.get("request")
+
+
+def _with_request(
+    args: tuple[Any, ...], kwargs: dict[str, Any], request: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The same call with ``request`` in place of the one it had."""
+    if args:
+        return (request, *args[1:]), kwargs
+    return args, {**kwargs, "request": request}
+
+
 def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if len(args) == 1 and not kwargs:  # as httpx calls it: no argument tuple to rebuild
         return wrapped(_at_transport(args[0]))
-    if args:
-        args = (_at_transport(args[0]), *args[1:])
+    request = _request_of(args, kwargs)
+    if request is not None:
+        args, kwargs = _with_request(args, kwargs, _at_transport(request))
     return wrapped(*args, **kwargs)
 
 
 async def _handle_async_request(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    if args:
-        args = (_at_transport(args[0]), *args[1:])
+    request = _request_of(args, kwargs)
+    if request is not None:
+        args, kwargs = _with_request(args, kwargs, _at_transport(request))
     return await wrapped(*args, **kwargs)
 
 
 def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    begun = _begin_elsewhere(args[0]) if args else None
+    request = _request_of(args, kwargs)
+    begun = _begin_elsewhere(request) if request is not None else None
     if begun is None:
         return wrapped(*args, **kwargs)
     try:
-        return wrapped(begun[0], *args[1:], **kwargs)
+        sent_args, sent_kwargs = _with_request(args, kwargs, begun[0])
+        return wrapped(*sent_args, **sent_kwargs)
     finally:
         _in_flight.pop(begun[1], None)
 
@@ -154,11 +174,13 @@ def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
 async def _handle_elsewhere_async(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    begun = _begin_elsewhere(args[0]) if args else None
+    request = _request_of(args, kwargs)
+    begun = _begin_elsewhere(request) if request is not None else None
     if begun is None:
         return await wrapped(*args, **kwargs)
     try:
-        return await wrapped(begun[0], *args[1:], **kwargs)
+        sent_args, sent_kwargs = _with_request(args, kwargs, begun[0])
+        return await wrapped(*sent_args, **sent_kwargs)
     finally:
         _in_flight.pop(begun[1], None)
 
@@ -178,35 +200,46 @@ class HTTPXSessionInstrumentor(SessionInstrumentor):
             _stand_ins_for.add(module.Request)
         if self._client_hook is None:
             self._client_hook = self._client_built  # one object, for patching to recognise
-        found = [
+        return [
             (module.HTTPTransport, "handle_request", _handle_request),
             (module.AsyncHTTPTransport, "handle_async_request", _handle_async_request),
             (module.Client, "__init__", self._client_hook),
             (module.AsyncClient, "__init__", self._client_hook),
+            *_other_transports(module),
         ]
-        for base in (module.BaseTransport, module.AsyncBaseTransport):
-            pending = list(base.__subclasses__())
-            while pending:
-                kind = pending.pop()
-                pending.extend(kind.__subclasses__())
-                found.extend(_elsewhere(kind, module))
-        return found
 
     def _client_built(
         self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """A client's transports of classes defined since instrumenting are patched as it is built."""
+        """Transport classes defined since instrumenting are patched as a client is built: every
+        subclass of httpx's transport bases (the client's, and any it may wrap), and the classes of
+        the client's own transports, which need not be subclasses."""
         built = wrapped(*args, **kwargs)
         try:
             module = self._module
-            for transport in (instance._transport, *instance._mounts.values()):
-                if transport is not None:
-                    for kind in type(transport).__mro__:
-                        for owner, name, wrapper in _elsewhere(kind, module) if module else ():
-                            self.patch(owner, name, wrapper)
+            if module is not None:
+                found = _other_transports(module)
+                for transport in (instance._transport, *instance._mounts.values()):
+                    if transport is not None:
+                        for kind in type(transport).__mro__:
+                            found.extend(_elsewhere(kind, module))
+                for owner, name, wrapper in found:
+                    self.patch(owner, name, wrapper)  # a no-op for those patched already
         except Exception as exc:  # a client we cannot look into is sent as it is, never broken
             _faults.report(f"instrumenting a {self.library} transport", exc)
         return built
+
+
+def _other_transports(module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
+    """The methods to patch of every transport class the process has defined, but httpx's own."""
+    found: list[tuple[Any, str, Wrapper]] = []
+    for base in (module.BaseTransport, module.AsyncBaseTransport):
+        pending = list(base.__subclasses__())
+        while pending:
+            kind = pending.pop()
+            pending.extend(kind.__subclasses__())
+            found.extend(_elsewhere(kind, module))
+    return found
 
 
 def _elsewhere(kind: type, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:

@@ -12,7 +12,9 @@ import contextlib
 import ssl
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ import pytest
 import requests
 import trustme
 from aiohttp import web
-from opentelemetry import propagate
+from opentelemetry import baggage, propagate
+from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor, HTTPXClientInstrumentor
 from opentelemetry.instrumentation.requests import RequestsInstrumentor
@@ -156,6 +159,109 @@ class Retarget(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.url = request.url.copy_with(host=self.to.host, port=self.to.port)
         return self.inner.handle_request(request)
+
+
+class UrllibTransport(httpx.BaseTransport):
+    """A transport of the user's own that never reaches httpx's: it sends with urllib."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        sent = urllib.request.Request(str(request.url), headers=dict(request.headers), method=request.method)
+        with urllib.request.urlopen(sent, timeout=10) as answer:
+            return httpx.Response(answer.status, content=answer.read())
+
+
+class RetargetTo(httpx.BaseTransport):
+    """Like ``Retarget``, handing the moved request to a transport of the caller's choosing."""
+
+    def __init__(self, to: Recorder, inner: httpx.BaseTransport) -> None:
+        self.to, self.inner = to, inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(host=self.to.host, port=self.to.port)
+        return self.inner.handle_request(request)
+
+
+@pytest.mark.parametrize("defined", ["before configure()", "after configure()"])
+def test_a_request_retargeted_onto_another_custom_transport_is_planned_again(
+    defined: str, dynamo: Recorder, other: Recorder
+) -> None:
+    """Each transport class plans the hop it is handed: the inner one, which is not httpx's own,
+    sees the copy moved and plans it again for where it now goes. Classes defined after configure()
+    are found when a client is built, the inner one too though no client holds it."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    outer, inner = RetargetTo, UrllibTransport
+    if defined == "after configure()":
+
+        class LateUrllibTransport(httpx.BaseTransport):
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                return UrllibTransport.handle_request(self, request)
+
+        class LateRetargetTo(RetargetTo):
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                request.url = request.url.copy_with(host=self.to.host, port=self.to.port)
+                return self.inner.handle_request(request)
+
+        outer, inner = LateRetargetTo, LateUrllibTransport
+    with otel_session.trajectory() as traj:
+        with httpx.Client(transport=outer(other, inner())) as client:
+            client.get(f"{dynamo.url}/v1/models").raise_for_status()
+        with httpx.Client(transport=outer(dynamo, inner())) as client:
+            client.get(f"{other.url}/v1/models").raise_for_status()
+    assert not other.requests[0].names() & OURS, other.requests[0].headers
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+
+
+def test_a_request_one_hop_leaves_as_it_is_is_planned_afresh_by_another(dynamo: Recorder) -> None:
+    """Sent through a custom transport from a context with nothing for Dynamo (baggage only), a
+    ``Request`` goes as it is; the same object sent meanwhile from a trajectory carries its ID."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    seen: list[str] = []
+
+    def from_a_trajectory(request: httpx.Request) -> None:
+        def send() -> None:
+            with otel_session.trajectory() as traj, httpx.Client() as stock:
+                seen.append(traj.session_id)
+                stock.send(request).raise_for_status()
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        thread.join(10)
+
+    class Relay(httpx.BaseTransport):
+        def __init__(self) -> None:
+            self.inner = httpx.HTTPTransport()
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            from_a_trajectory(request)  # while this hop of the same object is in flight
+            return self.inner.handle_request(request)
+
+    token = otel_context.attach(baggage.set_baggage("tenant", "acme"))
+    try:
+        with httpx.Client(transport=Relay()) as client:
+            request = client.build_request("GET", f"{dynamo.url}/v1/models")
+            client.send(request).raise_for_status()
+    finally:
+        otel_context.detach(token)
+    assert [r.get(SESSION_HEADER) for r in dynamo.requests] == [seen[0], None]
+
+
+def test_a_transport_called_with_the_request_by_name_plans_it() -> None:
+    """``handle_request(request=...)``, as a wrapping transport of the user's may call it."""
+    seen: list[str | None] = []
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"])
+    mock = httpx.MockTransport(lambda r: seen.append(r.headers.get(SESSION_HEADER)) or httpx.Response(200))
+    with otel_session.trajectory() as traj:
+        mock.handle_request(request=httpx.Request("GET", "http://dynamo.internal:8000/v1/models"))
+    assert seen == [traj.session_id]
+
+
+def test_httpx_own_transport_called_with_the_request_by_name_plans_it(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as traj:
+        transport = httpx.HTTPTransport()
+        transport.handle_request(request=httpx.Request("GET", f"{dynamo.url}/v1/models")).close()
+        transport.close()
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
 
 
 def test_a_transport_that_retargets_the_request_is_planned_again(dynamo: Recorder, other: Recorder) -> None:
