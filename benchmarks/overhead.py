@@ -9,7 +9,10 @@ This is the figure a user pays. Each pair is fresh processes (``overhead_worker.
 which never imports otel-session; one configured (``otel_session.configure(dynamo_hosts=[the
 server])``, tracing off); and one that only imports otel-session and the clients ``configure()``
 imported up front as of the baseline (httpx2, aiohttp), to tell the cost of imports from that of
-the hooks. ``--compare`` adds a side configured the same way with another copy of otel-session
+the hooks; and one with no otel-session but the least hook that delivers a session header (a wrapt
+wrapper on httpx's transport appending one fixed header, ``overhead_worker.install_least_hook``),
+to show in the same run what the floor leaves for everything a real library must do besides.
+``--compare`` adds a side configured the same way with another copy of otel-session
 (the previous commit, say), for a before/after in one run. All send httpx sync requests over
 loopback to one server in a process of its own (``_servers.py``), one keep-alive connection each.
 
@@ -62,7 +65,7 @@ from benchmarks.overhead_report import machine, quartiles, write_results  # noqa
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead_processes.json"
 WORKER = Path(__file__).resolve().parent / "overhead_worker.py"
-KINDS = ("bare", "imports", "configured")
+KINDS = ("bare", "imports", "least", "configured")
 CASES = ("dynamo", "outside", "other")
 LABELS = {
     "dynamo": "in a trajectory -> Dynamo",
@@ -71,6 +74,7 @@ LABELS = {
 }
 KIND_LABELS = {
     "imports": "imports only (by default otel_session, httpx2, aiohttp), nothing configured",
+    "least": "no otel-session: the least hook that delivers the header (a wrapt hook, one fixed header)",
     "configured": "configured, tracing off",
     "compared": "configured likewise, otel_session from --compare",
 }
@@ -84,7 +88,7 @@ class Side:
     """One process of each pair: its name in the results, the worker kind, which otel_session."""
 
     name: str
-    kind: str  # bare | imports | configured
+    kind: str  # bare | imports | least | configured
     library: Path | None = None  # None: the one installed
 
 
@@ -200,7 +204,8 @@ def order_of_turn(workers: Sequence[T], turn: int) -> list[T]:
 
 
 def check_headers(records: list[dict[str, Any]], sides: Sequence[Side]) -> dict[str, bool]:
-    """Per side: did exactly the configured sides' trajectory requests to Dynamo carry the header?"""
+    """Per side: did the header go exactly where it should? A configured side's trajectory requests
+    to Dynamo, the least hook's every request to Dynamo (it reads no trajectory), nothing else."""
     seen = {}
     for record in records:
         parts = record["path"].split("/")  # "", "__check", side, case
@@ -208,7 +213,8 @@ def check_headers(records: list[dict[str, Any]], sides: Sequence[Side]) -> dict[
             seen[(parts[2], parts[3])] = SESSION_HEADER in record
     ok = {}
     for side in sides:
-        expected = {case: side.kind == "configured" and case == "dynamo" for case in CASES}
+        configured, least = side.kind == "configured", side.kind == "least"
+        expected = {case: (configured and case == "dynamo") or (least and case != "other") for case in CASES}
         ok[side.name] = all(seen.get((side.name, case)) == want for case, want in expected.items())
     return ok
 
@@ -376,12 +382,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows
         if row["side"] == "configured" and row["case"] in ("dynamo", "outside")
     }
+    least = {row["case"]: row["wall_ratio"] for row in rows if row["side"] == "least"}
     seconds = round(time.perf_counter() - started, 1)
     print(
         f"\n  floor (configured / bare wall ratio <= {FLOOR} in and outside a trajectory): "
         + ", ".join(f"{case} {'ok' if ok else 'MISS'}" for case, ok in floor.items())
         + ("" if headers_ok else "; the session header was NOT where it should be")
     )
+    if "dynamo" in least:
+        print(f"  the least hook that delivers the header, to Dynamo: {least['dynamo']:.3f} of bare")
     meta = machine() | {
         "view": "process pairs: whole processes side by side, configured vs bare (what a user pays)",
         "method": (

@@ -1,6 +1,6 @@
 """One side of a process pair in ``overhead.py``: a whole process sending chunks of httpx requests.
 
-    python benchmarks/overhead_worker.py --kind bare|imports|configured --dynamo URL --other URL
+    python benchmarks/overhead_worker.py --kind bare|imports|least|configured --dynamo URL --other URL
 
 The point of a separate process per side is that each pays everything its setup brings, as a user's
 process would: what the imports load (and every later garbage collection then walks), what
@@ -11,8 +11,9 @@ the coordinator chooses which otel-session the others load through ``PYTHONPATH`
 Kinds: ``bare`` imports httpx only; ``imports`` also imports the modules ``--imports`` names (by
 default otel-session and the client libraries ``configure()`` imported up front as of the
 baseline, httpx2 and aiohttp), without configuring anything, to show what the imports alone cost;
-``configured`` calls ``otel_session.configure(dynamo_hosts=[the dynamo URL's host:port])`` with
-tracing off.
+``least`` never imports otel-session either, and installs the least hook that delivers a session
+header (``install_least_hook``), to show what delivering one costs at the least; ``configured``
+calls ``otel_session.configure(dynamo_hosts=[the dynamo URL's host:port])`` with tracing off.
 
 It speaks JSON lines: first it prints what its setup cost, then for each command read from stdin
 (``{"case": "dynamo" | "other" | "outside", "n": N}``) it sends ``N`` requests on one keep-alive
@@ -71,6 +72,39 @@ def session_trajectory(inside: bool) -> contextlib.AbstractContextManager[Any]:
     return otel_session.trajectory() if inside else contextlib.nullcontext()
 
 
+def install_least_hook(dynamo_url: str) -> None:
+    """The least any hook can do to deliver a session: the floor's own floor, in the same run.
+
+    One wrapt wrapper on httpx's transport (wrapt, as OpenTelemetry's instrumentations patch), which
+    sends requests for the Dynamo host as a stand-in with one fixed session header appended, built
+    the cheapest way known (httpx's private header list, as otel-session's fast path). No context
+    read, no configuration, no check of what the caller set: nothing a real library can skip.
+    """
+    import uuid
+
+    import httpx
+    import wrapt
+
+    where = urlsplit(dynamo_url)
+    host, port = where.hostname, where.port
+    entry = (b"X-Dynamo-Session-ID", b"x-dynamo-session-id", str(uuid.uuid4()).encode())
+
+    def handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        request = args[0]
+        url = request.url
+        if url.host != host or url.port != port:
+            return wrapped(*args, **kwargs)
+        headers = object.__new__(httpx.Headers)
+        headers._list = [*request.headers._list, entry]
+        headers._encoding = request.headers._encoding
+        sent = object.__new__(httpx.Request)
+        sent.method, sent.url, sent.stream = request.method, url, request.stream
+        sent.extensions, sent.headers = request.extensions, headers
+        return wrapped(sent)
+
+    wrapt.wrap_function_wrapper(httpx.HTTPTransport, "handle_request", handle_request)
+
+
 def setup(kind: str, dynamo_url: str, imports: Sequence[str]) -> tuple[dict[str, Any], Opener]:
     """Import and configure as ``kind`` says; returns what that cost and the trajectory opener."""
     cpu, wall = time.process_time(), time.perf_counter()
@@ -83,6 +117,8 @@ def setup(kind: str, dynamo_url: str, imports: Sequence[str]) -> tuple[dict[str,
         for name in imports:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
+    elif kind == "least":
+        install_least_hook(dynamo_url)
     elif kind == "configured":
         import otel_session
 
@@ -109,7 +145,7 @@ def setup(kind: str, dynamo_url: str, imports: Sequence[str]) -> tuple[dict[str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--kind", choices=("bare", "imports", "configured"), required=True)
+    parser.add_argument("--kind", choices=("bare", "imports", "least", "configured"), required=True)
     parser.add_argument("--dynamo", required=True, help="base URL of the Dynamo host")
     parser.add_argument("--other", required=True, help="base URL of a host that is not configured")
     parser.add_argument("--imports", default=IMPORTED_BY_CONFIGURE, help="modules the imports side imports")

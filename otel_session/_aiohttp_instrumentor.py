@@ -38,7 +38,7 @@ async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
             # aiohttp's own instrumentation injects before this, with no destination: under a stock
             # propagator composed with ours, what it copied is taken back here, where the hop is known.
             sole = _propagator.is_sole_global()
-            prepared = _hop.prepare(now, headers, url.scheme, url.raw_host, url.port, callers_only=sole)
+            prepared = _hop.prepare(now, headers, url.scheme, url.raw_host, url.port, sole)
             if prepared.edits:
                 saved = _carriers.snapshot(headers)
                 _carriers.apply(headers, prepared.edits)

@@ -28,27 +28,30 @@ _CASE_INSENSITIVE_TYPES = frozenset(
     }
 )
 _kinds: dict[type, int] = {}
-# Fast ``Headers`` types: whether their instances hold ``_list`` and ``_encoding`` and nothing else.
-_layouts: dict[type, bool] = {}
+# Fast ``Headers`` types whose instances hold ``_list`` and ``_encoding`` and nothing else: a copy of
+# one is made by setting those two (``_headers_with``).
+_two_attribute_types: set[type] = set()
 
 
-def _layout_holds(kind: type) -> bool:
+def _layout_holds(kind: type) -> tuple[bool, bool]:
+    """Whether ``kind``'s instances keep ``_list`` as the fast adapter expects; and whether they hold
+    nothing else."""
     try:
         probe = kind([("X-Probe", "1"), ("Other", "2"), ("x-PROBE", "3")])
         expected = [(b"X-Probe", b"x-probe", b"1"), (b"Other", b"other", b"2")]
         if probe._list != [*expected, (b"x-PROBE", b"x-probe", b"3")]:
-            return False
+            return False, False
         clone = copy_headers(probe, _ENTRIES)
         del clone["X-PROBE"]
         clone["New"] = "4"
-        _layouts[kind] = sorted(vars(probe)) == ["_encoding", "_list"]
-        return bool(
+        holds = bool(
             clone._list == [*expected[1:], (b"New", b"new", b"4")]
             and clone.get("other") == "2"
             and probe.get("x-probe") == "1, 3"
         )
+        return holds, holds and sorted(vars(probe)) == ["_encoding", "_list"]
     except Exception:
-        return False
+        return False, False
 
 
 def kind_of(carrier: Any) -> int:
@@ -61,7 +64,10 @@ def kind_of(carrier: Any) -> int:
             found = _CASE_INSENSITIVE
             if kind.__qualname__ == "Headers":
                 _kinds[kind] = _CASE_INSENSITIVE  # while probing: copy_headers must not recurse
-                found = _ENTRIES if _layout_holds(kind) else _CASE_INSENSITIVE
+                holds, two_attributes = _layout_holds(kind)
+                found = _ENTRIES if holds else _CASE_INSENSITIVE
+                if two_attributes:
+                    _two_attribute_types.add(kind)
         if len(_kinds) < 64:  # carrier types are few; bounded all the same
             _kinds[kind] = found
     return found
@@ -114,12 +120,24 @@ def read(carrier: Any, names: tuple[str, ...]) -> dict[str, str]:
     return held
 
 
-def holds_any(carrier: Any, names: tuple[str, ...]) -> bool:
-    """Whether ``carrier`` holds any of ``names`` (lower-case). The usual request holds none of ours,
-    and a fast ``Headers`` answers that without a Python loop over its headers."""
+# Header names as ``holds_any`` looks them up: as given (lower-case), and as a fast ``Headers``
+# keeps them. Made once per set of names by ``names_to_find``.
+Names = tuple[tuple[str, ...], frozenset[bytes]]
+
+
+def names_to_find(names: tuple[str, ...]) -> Names:
+    """``names`` (lower-case) ready for ``holds_any``, which runs on every request."""
+    return names, frozenset(_encoded(names))
+
+
+def holds_any(carrier: Any, names: Names) -> bool:
+    """Whether ``carrier`` holds any of ``names`` (see ``names_to_find``). The usual request holds
+    none of ours, and a fast ``Headers`` answers that without a Python loop over its headers."""
+    if not names[0]:
+        return False
     if _kinds.get(type(carrier)) == _ENTRIES:
-        return not _encoded(names).keys().isdisjoint(map(_LOWER_NAME, carrier._list))
-    return bool(read(carrier, names))
+        return not names[1].isdisjoint(map(_LOWER_NAME, carrier._list))
+    return bool(read(carrier, names[0]))
 
 
 _LOWER_NAME = operator.itemgetter(1)
@@ -197,13 +215,16 @@ TRANSPORT_READS = frozenset({"method", "url", "headers", "stream", "extensions"}
 
 def _headers_with(headers: Any, edits: list[tuple[str, str | None]], held: frozenset[str]) -> Any:
     """A copy of ``headers`` with ``edits`` made."""
-    appended = _appended(edits) if not held and _kinds.get(type(headers)) == _ENTRIES else None
+    appended = None
+    if not held and _kinds.get(type(headers)) == _ENTRIES:
+        last = _last_appended
+        appended = last[1] if last[0] is edits else _appended(edits)
     if appended is None:
         copy = copy_headers(headers)
         apply(copy, edits, held=held)
         return copy
     # The usual hop: new headers appended to a copy of the caller's list.
-    if _layouts.get(type(headers)) is True:  # the layout _layout_holds saw: set directly
+    if type(headers) in _two_attribute_types:  # the layout _layout_holds saw: set directly
         copy = object.__new__(type(headers))
         copy._list = headers._list + appended
         copy._encoding = headers._encoding
@@ -234,11 +255,9 @@ _last_appended: tuple[object, list[tuple[bytes, bytes, bytes]] | None] = (None, 
 
 
 def _appended(edits: list[tuple[str, str | None]]) -> list[tuple[bytes, bytes, bytes]] | None:
-    """``edits`` as ``_list`` entries to append, or ``None`` if one takes a header away or is not ASCII."""
+    """``edits`` as ``_list`` entries to append, or ``None`` if one takes a header away or is not
+    ASCII; kept for the next hop with the same edits (``_headers_with`` looks there first)."""
     global _last_appended
-    last = _last_appended
-    if last[0] is edits:
-        return last[1]
     entries = [
         (name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii"))
         for name, value in edits

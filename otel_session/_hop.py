@@ -46,26 +46,20 @@ class Prepared(NamedTuple):
     held: frozenset[str]
 
 
-# The offer for the last context seen. A ``Context`` is immutable, so the same object always gives
-# the same answer, and one trajectory's requests share one until something attaches another: the
-# usual request skips reading baggage and finding the span. Swapped whole, so thread-safe.
-_last: tuple[object, bool, Offer] = (None, False, NO_OFFER)
-
-
 def offer_for(ctx: Context, tracing: bool) -> Offer:
-    """What ``ctx`` offers a request, with tracing on or off."""
-    global _last
-    last = _last
-    if last[0] is ctx and last[1] is tracing:
-        return last[2]
+    """What ``ctx`` offers a request, with tracing on or off (``now`` keeps the last answer)."""
     session, parent = session_ids(ctx)
     span_context = trace.get_current_span(ctx).get_span_context()
     # With tracing off a caller's extracted span is not passed on: only spans recorded here are.
     traced = span_context.is_valid and (tracing or not span_context.is_remote)
     entries = baggage.get_all(ctx)
-    offer = Offer(session, parent, entries, _w3c.traceparent(span_context) if traced else None)
-    _last = (ctx, tracing, offer)
-    return offer
+    return Offer(session, parent, entries, _w3c.traceparent(span_context) if traced else None)
+
+
+# The offer for the last context seen. A ``Context`` is immutable, so the same object always gives
+# the same answer, and one trajectory's requests share one until something attaches another: the
+# usual request skips reading baggage and finding the span. Swapped whole, so thread-safe.
+_last: tuple[object, bool, Offer] = (None, False, NO_OFFER)
 
 
 # What the context offers a request at this moment, under the configuration in force: (settings,
@@ -74,24 +68,32 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
 Now = tuple[_settings.Settings, Context, Offer, bool]
 
 
-def now() -> Now | None:
-    """What a request sent now could carry; ``None`` when nothing at all (no configuration, or
-    outside any trajectory with no baggage and tracing off): the usual untraced request outside a
-    trajectory learns that before its destination is even read."""
-    settings = _settings.active()
+def now(ctx: Context | None = None) -> Now | None:
+    """What a request sent now (in ``ctx``, by default the current context) could carry; ``None``
+    when nothing at all (no configuration, or outside any trajectory with no baggage and tracing
+    off): the usual untraced request outside a trajectory learns that before its destination is
+    even read."""
+    global _last
+    settings = _settings.current
     if settings is None:
         return None
-    ctx = get_current()
+    if ctx is None:
+        ctx = get_current()
+    tracing = settings.tracing
     last = _last
-    offer = last[2] if last[0] is ctx and last[1] is settings.tracing else offer_for(ctx, settings.tracing)
-    watched = settings.tracing or offer.traceparent is not None
+    if last[0] is ctx and last[1] is tracing:
+        offer = last[2]
+    else:
+        offer = offer_for(ctx, tracing)
+        _last = (ctx, tracing, offer)
+    watched = tracing or offer.traceparent is not None
     if offer.session is None and not offer.baggage and not watched:
         return None
     return settings, ctx, offer, watched
 
 
 def prepare(
-    now: Now, headers: Any, scheme: str, host: str | None, port: int | None, *, callers_only: bool = True
+    now: Now, headers: Any, scheme: str, host: str | None, port: int | None, callers_only: bool = True
 ) -> Prepared:
     """What this hop's ``headers`` must gain, sent ``now`` to that destination.
 
@@ -100,18 +102,12 @@ def prepare(
     global _recent
     settings, ctx, offer, watched = now
     recent = _recent
-    if (
-        recent.offer is offer
-        and recent.host == host
-        and recent.port == port
-        and recent.scheme == scheme
-        and recent.settings is settings
-        and recent.callers_only is callers_only
-        and not _carriers.holds_any(headers, recent.names)
-    ):  # the usual request: a trajectory's next turn to the same router
-        if recent.visit is not None:
-            _visited(ctx, recent.visit)
-        return recent.prepared
+    asked = (offer, scheme, host, port, settings, callers_only)
+    if recent[0] == asked and not _carriers.holds_any(headers, recent[1]):
+        # the usual request: a trajectory's next turn to the same router
+        if recent[3] is not None:
+            _visited(ctx, recent[3])
+        return recent[2]
     route = settings.rules.route(scheme, host, port)
     names: tuple[str, ...] = ()
     held: dict[str, str] = {}
@@ -129,7 +125,7 @@ def prepare(
         visit = (profile.name, *canonical_origin(scheme, host, port))
         _visited(ctx, visit)
     if not held:
-        _recent = _Recent(offer, scheme, host, port, settings, callers_only, names, prepared, visit)
+        _recent = (asked, _carriers.names_to_find(names), prepared, visit)
     return prepared
 
 
@@ -140,22 +136,16 @@ def _visited(ctx: Context, visit: tuple[str, str, str, int | None]) -> None:
         visits.add(visit)
 
 
-class _Recent(NamedTuple):
-    """The last hop prepared whose request held none of our headers, and what made it."""
-
-    offer: object
-    scheme: str
-    host: str | None
-    port: int | None
-    settings: object
-    callers_only: bool
-    names: tuple[str, ...]
-    prepared: Prepared
-    visit: tuple[str, str, str, int | None] | None
-
-
-# A trajectory's turns to one router ask the same question every time: answered once, then from
-# here while the context, destination and configuration stay the same. Swapped whole: thread-safe.
-_recent = _Recent(
-    None, "", None, None, None, True, (), Prepared([], Hop(Route(), frozenset()), False, frozenset()), None
+# The last hop prepared whose request held none of our headers: (what was asked: offer, scheme, host,
+# port, settings, callers_only; the names a request holding any of must be planned afresh, as
+# ``_carriers.names_to_find`` gives them; the answer; the router visit to note). A trajectory's turns
+# to one router ask the same question every time: answered once, then from here while the context,
+# destination and configuration stay the same. One tuple, compared in one step, swapped whole:
+# thread-safe.
+_Asked = tuple[object, str, "str | None", "int | None", object, bool]
+_recent: tuple[_Asked | None, _carriers.Names, Prepared, tuple[str, str, str, int | None] | None] = (
+    None,
+    _carriers.names_to_find(()),
+    Prepared([], Hop(Route(), frozenset()), False, frozenset()),
+    None,
 )

@@ -51,8 +51,39 @@ def _transport_reads_only_the_basics(module: ModuleType) -> bool:
         return False
 
 
-def _plan(request: Any) -> _hop.Prepared | None:
-    """``request``'s hop planned for its URL; ``None``: nothing could be added (see ``_hop.now``).
+# URL classes whose instances keep the parsed URL as ``_uri_reference`` with ``scheme``, ``host`` and
+# ``port`` exactly as the public properties give them (checked when patching): read there, three
+# property calls fewer on every request. A host with an IDNA label is left to the property, which
+# decodes it.
+_parsed_urls: set[type] = set()
+_URL_PROBES = ("http://127.0.0.1:8000/v1", "HTTPS://Router.EXAMPLE/x", "http://[::1]:9/", "https://h:443/")
+
+
+def _url_keeps_its_parts(module: ModuleType) -> bool:
+    """Whether ``module.URL`` keeps scheme, host and port in ``_uri_reference`` as its properties say."""
+    try:
+        for text in _URL_PROBES:
+            url = module.URL(text)
+            parsed = url._uri_reference
+            if (parsed.scheme, parsed.host, parsed.port) != (url.scheme, url.host, url.port):
+                return False
+        return True
+    except Exception:
+        return False
+
+
+def _destination(url: Any) -> tuple[str, str, int | None]:
+    """Where a request to ``url`` goes: (scheme, host, port) as ``url``'s properties give them."""
+    if type(url) in _parsed_urls:
+        parsed = url._uri_reference
+        if "xn--" not in parsed.host:
+            return parsed.scheme, parsed.host, parsed.port
+    return url.scheme, url.host, url.port
+
+
+def _plan(headers: Any, url: Any) -> _hop.Prepared | None:
+    """The hop of a request with ``headers`` to ``url``, planned; ``None``: nothing could be added
+    (see ``_hop.now``: the usual request outside a trajectory never reads its URL).
 
     A stock propagator composed with ours may have written our values already (an upstream
     instrumentation above this hook injecting through it): then what is recognisably ours is taken
@@ -61,9 +92,14 @@ def _plan(request: Any) -> _hop.Prepared | None:
     now = _hop.now()
     if now is None:
         return None
-    url = request.url
-    callers_only = _propagator.is_sole_global()
-    return _hop.prepare(now, request.headers, url.scheme, url.host, url.port, callers_only=callers_only)
+    return _hop.prepare(now, headers, *_destination(url), _propagator.is_sole_global())
+
+
+def _registered(request: Any) -> tuple[Any, tuple[str, str, int | None], Any] | None:
+    """``request``'s entry in ``_in_flight`` if it is a copy of ours in flight: (that copy, the
+    destination it was planned for, the caller's own headers)."""
+    entry = _in_flight.get(id(request))
+    return entry if entry is not None and entry[0] is request else None
 
 
 def _at_transport(request: Any) -> Any:
@@ -71,10 +107,10 @@ def _at_transport(request: Any) -> Any:
     transport above planned it (then planned again only if that transport sent it elsewhere)."""
     try:
         if _in_flight:
-            entry = _in_flight.get(id(request))
-            if entry is not None and entry[0] is request:
+            entry = _registered(request)
+            if entry is not None:
                 return _replan_if_moved(request, entry)
-        prepared = _plan(request)
+        prepared = _plan(request.headers, request.url)
         if prepared is None or not prepared.edits:
             return request
         if type(request) in _stand_ins_for:
@@ -88,16 +124,13 @@ def _at_transport(request: Any) -> Any:
 def _replan_if_moved(request: Any, entry: tuple[Any, tuple[str, str, int | None], Any]) -> Any:
     """Our copy, planned again if a transport changed where it goes after we planned it: the
     caller's headers with what the new destination may receive (edited in place: it is ours)."""
-    url = request.url
-    destination = (url.scheme, url.host, url.port)
+    destination = _destination(request.url)
     if destination == entry[1]:
         return request
     callers = entry[2]
     headers = _carriers.copy_headers(callers)
-    now = _hop.now()
-    if now is not None:
-        sole = _propagator.is_sole_global()
-        again = _hop.prepare(now, callers, *destination, callers_only=sole)
+    again = _plan(callers, request.url)
+    if again is not None:
         _carriers.apply(headers, again.edits, held=again.held)
     request.headers = headers
     _in_flight[id(request)] = (request, destination, callers)
@@ -110,17 +143,16 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
     one made, planned again here if that one sent it elsewhere)."""
     try:
         if _in_flight:
-            entry = _in_flight.get(id(request))
-            if entry is not None and entry[0] is request:
+            entry = _registered(request)
+            if entry is not None:
                 _replan_if_moved(request, entry)
                 return None
-        prepared = _plan(request)
+        prepared = _plan(request.headers, request.url)
         if prepared is None or not prepared.edits:
             return None  # the caller's own object, as it is: any transport it reaches plans it afresh
         sent = _carriers.copy_request(request, prepared.edits, prepared.held)
-        url = request.url
         key = id(sent)
-        _in_flight[key] = (sent, (url.scheme, url.host, url.port), request.headers)
+        _in_flight[key] = (sent, _destination(request.url), request.headers)
         return sent, key
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)
@@ -198,6 +230,8 @@ class HTTPXSessionInstrumentor(SessionInstrumentor):
         self._module = module
         if _transport_reads_only_the_basics(module):
             _stand_ins_for.add(module.Request)
+        if _url_keeps_its_parts(module):
+            _parsed_urls.add(module.URL)
         if self._client_hook is None:
             self._client_hook = self._client_built  # one object, for patching to recognise
         return [

@@ -27,7 +27,7 @@ from opentelemetry.propagators.textmap import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_session import _carriers, _faults, _hop, _settings, _w3c
+from otel_session import _carriers, _faults, _hop, _w3c
 from otel_session._context import HOP_KEY, PARENT_KEY, SESSION_KEY, session_ids, with_session
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER, is_valid_session_id
 from otel_session._policy import names_for, plan
@@ -52,8 +52,9 @@ class SessionPropagator(TextMapPropagator):
                 return  # no destination known: nothing added, nothing taken
             if hop.authority is not None and _carriers.read(carrier, ("host",)).get("host") != hop.authority:
                 return  # another request, sent from inside the hop: its destination is unknown
-            settings = _settings.active()
-            offer = _hop.offer_for(ctx, settings is not None and settings.tracing)
+            current = _hop.now(ctx)
+            # None: unconfigured (the propagator used on its own), or nothing offered with tracing off
+            offer = current[2] if current is not None else _hop.offer_for(ctx, False)
             held = _carriers.read(carrier, names_for(hop.route))
             edits = plan(hop.route, offer, held, callers_only=False, replaceable=hop.added)
             _carriers.apply(carrier, edits, setter)

@@ -52,6 +52,7 @@ _ENDED_CAP = 65_536
 
 Visit = tuple[str, str, str, int | None]  # (profile name, scheme, host, port), as the hooks record it
 
+
 # Never through a proxy from the environment: the notice goes where the trajectory's requests went.
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     """A notice goes to the router it names, nowhere else: a redirect is an error, never followed."""

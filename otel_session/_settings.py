@@ -78,9 +78,7 @@ def parse_routers(text: str, name: str = ENV_ROUTERS) -> dict[str, str]:
     return routers
 
 
-def _routes(
-    dynamo_hosts: Patterns | None, routers: Routers | None
-) -> list[tuple[Profile, HostPattern]]:
+def _routes(dynamo_hosts: Patterns | None, routers: Routers | None) -> list[tuple[Profile, HostPattern]]:
     routes = [(DYNAMO, pattern) for pattern in _patterns(dynamo_hosts, ENV_DYNAMO_HOSTS)]
     env_routers = routers is None
     if env_routers:
@@ -114,14 +112,16 @@ def build_settings(
     return Settings(HostRules(routes, trusted), bool(tracing), bool(end_sessions))
 
 
-_active: Settings | None = None
+# The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``.
+# Read as ``_settings.current`` where every request reads it (a call costs more than the read).
+current: Settings | None = None
 
 
 def active() -> Settings | None:
     """The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``."""
-    return _active
+    return current
 
 
 def set_active(settings: Settings | None) -> None:
-    global _active
-    _active = settings
+    global current
+    current = settings

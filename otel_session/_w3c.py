@@ -22,7 +22,7 @@ MAX_MEMBERS = 180
 _KEY = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 # baggage-octet: visible ASCII but DQUOTE, comma, semicolon, backslash; '%' starts an escape.
 # '+' is escaped too: OpenTelemetry's extractor decodes values with ``unquote_plus``.
-_UNSAFE = re.compile(r'[^\x21\x23-\x24\x26-\x2a\x2d-\x3a\x3c-\x5b\x5d-\x7e]')
+_UNSAFE = re.compile(r"[^\x21\x23-\x24\x26-\x2a\x2d-\x3a\x3c-\x5b\x5d-\x7e]")
 
 
 _OWS = " \t"  # HTTP's optional white space: the only thing trimmed around members

@@ -3,9 +3,10 @@
 The process-pair view (``benchmarks/overhead.py``) starts real worker processes against the
 loopback benchmark server; here it runs a few turns of a few requests per side and checks what the
 figures rest on: the bare side never imported otel-session, the session header reached Dynamo from
-the configured side only, every side ran every chunk, and the lock-step order is balanced. The
-request-by-request view runs a few hundred in-process requests through the hooked client and
-around it (the hook's ``__wrapped__``), which only works while configure() hooks httpx.
+the configured side's trajectories and the least hook only, every side ran every chunk, and the
+lock-step order is balanced. The request-by-request view runs a few hundred in-process requests
+through the hooked client and around it (the hook's ``__wrapped__``), which only works while
+configure() hooks httpx.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ from benchmarks.overhead import CASES, Side, order_of_turn, run_pair, summarize,
 from benchmarks.overhead_clients import INPROC_DYNAMO_AUTHORITY, INPROC_URLS
 from benchmarks.overhead_requests import run_paired
 
-SIDES = [Side("bare", "bare"), Side("imports", "imports"), Side("configured", "configured")]
+SIDES = [Side(kind, kind) for kind in ("bare", "imports", "least", "configured")]
 
 
 def test_process_pair_sides_each_pay_their_own_setup_and_only_configured_sends_the_header() -> None:
     with LoopbackServer(["127.0.0.1", "127.0.0.2"]) as server:
         pair = run_pair(server, SIDES, rounds=2, n=3, warm=2, imports="otel_session,httpx2,aiohttp")
-    assert pair.header_check == {"bare": True, "imports": True, "configured": True}
-    bare, imports, configured = (set(pair.facts[name]["top_level_packages"]) for name in pair.facts)
+    assert pair.header_check == {"bare": True, "imports": True, "least": True, "configured": True}
+    bare, imports, least, configured = (set(pair.facts[name]["top_level_packages"]) for name in pair.facts)
     assert "otel_session" not in bare and "opentelemetry" not in bare
     assert {"otel_session", "httpx2", "aiohttp"} <= imports
     assert "otel_session" in configured
+    assert "otel_session" not in least and "wrapt" in least  # the least hook: no otel-session at all
     assert pair.facts["configured"]["library"].endswith("otel_session")
     for case in CASES:
         for side in SIDES:
@@ -36,7 +38,7 @@ def test_process_pair_sides_each_pay_their_own_setup_and_only_configured_sends_t
             assert len(chunks) == 2 and all(chunk["wall"] > 0 and chunk["cpu"] > 0 for chunk in chunks)
     rows = summarize([pair], [side.name for side in SIDES], n=3)
     assert {(row["side"], row["case"]) for row in rows} == {
-        (name, case) for name in ("imports", "configured") for case in CASES
+        (name, case) for name in ("imports", "least", "configured") for case in CASES
     }
     assert all(math.isfinite(row["wall_ratio"]) and row["wall_ratio"] > 0 for row in rows)
     setup = {row["side"]: row for row in summarize_setup([pair], [side.name for side in SIDES])}
