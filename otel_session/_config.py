@@ -73,7 +73,7 @@ def configure(
             _settings.ENV_ROUTERS,
         )
     with _lock:
-        previous = _settings.active()
+        previous = _settings.current
         _settings.set_active(settings)  # first: the instrumentors must see a configuration
         # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so its
         # wrappers must sit above ours. A missing SDK or bad exporter variable then undoes all of this.
@@ -114,7 +114,7 @@ def _clients() -> list[SessionInstrumentor]:
 
 def configured_arguments() -> dict[str, object]:
     """The arguments of the ``configure()`` now in force (``{}`` when none is)."""
-    return dict(_arguments) if _settings.active() is not None else {}
+    return dict(_arguments) if _settings.current is not None else {}
 
 
 def instrument_clients() -> list[str]:

@@ -90,5 +90,5 @@ def autostart() -> None:
     except ValueError as exc:
         print(f"otel-session: {exc}; otel-session is not started in this process", file=sys.stderr)
         return
-    if _settings.active() is None:
+    if _settings.current is None:
         configure_from_environment()

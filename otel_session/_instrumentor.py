@@ -60,7 +60,7 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             super().instrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
-        if _settings.active() is None:
+        if _settings.current is None:
             # Loaded by a distro other than ours (``opentelemetry-instrument`` with upstream's), with no
             # configure(): deliver by the OTEL_SESSION_* variables all the same.
             from otel_session._config import activate_environment

@@ -51,7 +51,7 @@ def add_dynamo_hosts(*addresses: str) -> list[str]:
     previous = os.environ.get(name)
     os.environ[name] = ",".join(entries)
     try:
-        if _settings.active() is not None:
+        if _settings.current is not None:
             arguments = _config.configured_arguments()
             given = arguments.get("dynamo_hosts")
             if given is not None:  # given explicitly: extend that list, not the variable

@@ -72,7 +72,7 @@ _warned_lock = threading.Lock()
 
 def new_visits() -> set[Visit] | None:
     """A fresh visit set for a trajectory about to start, or ``None`` while sessions are not ended."""
-    settings = _settings.active()
+    settings = _settings.current
     return set() if settings is not None and settings.end_sessions else None
 
 
@@ -213,7 +213,7 @@ def _run(notice: Notice, done: _Done) -> None:
         contextvars.Context().run(_send, notice)  # an empty context: no trajectory, no span
     except Exception as exc:
         where = f"{notice.visit[0]} at {notice.base}"
-        settings = _settings.active()
+        settings = _settings.current
         with _warned_lock:
             first = where not in _warned or _warned[where] is not settings
             _warned[where] = settings

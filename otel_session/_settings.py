@@ -113,15 +113,12 @@ def build_settings(
 
 
 # The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``.
-# Read as ``_settings.current`` where every request reads it (a call costs more than the read).
+# Read in place as ``_settings.current`` (every request reads it, and a call would cost more than
+# the read); only ``set_active`` writes it, so a module never keeps a copy that goes stale.
 current: Settings | None = None
 
 
-def active() -> Settings | None:
-    """The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``."""
-    return current
-
-
 def set_active(settings: Settings | None) -> None:
+    """Install ``settings`` for every reader at once (``configure()``, ``unconfigure()``)."""
     global current
     current = settings

@@ -40,7 +40,7 @@ class SessionDistro(BaseDistro):  # type: ignore[misc]
     def _configure(self, **kwargs: Any) -> None:
         # The configurator runs after this; without a name the first one installed would win.
         os.environ.setdefault(OTEL_PYTHON_CONFIGURATOR, ENTRY_POINT_NAME)
-        if _settings.active() is None:  # OTEL_SESSION_AUTO may have done it at interpreter start
+        if _settings.current is None:  # OTEL_SESSION_AUTO may have done it at interpreter start
             _environment.configure_from_environment()
 
     def load_instrumentor(self, entry_point: EntryPoint, **kwargs: Any) -> None:
@@ -56,5 +56,5 @@ class SessionConfigurator:
     """
 
     def configure(self, **kwargs: Any) -> None:
-        if _settings.active() is None:
+        if _settings.current is None:
             _environment.configure_from_environment()

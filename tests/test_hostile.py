@@ -1112,9 +1112,9 @@ def test_configure_with_a_bad_pattern_names_it_and_changes_nothing() -> None:
             otel_session.configure(dynamo_hosts=patterns, trusted_hosts=["gym.internal"])
         except ValueError as exc:
             assert any(_named(exc, p) for p in patterns), str(exc)
-            assert _settings.active() is before
+            assert _settings.current is before
         else:
-            assert _settings.active() is not before
+            assert _settings.current is not before
 
     check()
 

@@ -48,7 +48,7 @@ def test_traced_memory_is_back_at_the_baseline() -> None:
 def test_per_destination_and_per_carrier_state_is_bounded() -> None:
     """A crawler-like run over many hosts grows no table of ours without limit."""
     otel_session.configure(dynamo_hosts=["dynamo.internal:8000"], trusted_hosts=["*.gym.internal"])
-    settings = _settings.active()
+    settings = _settings.current
     assert settings is not None
     reported = set(_faults._reported)
     with otel_session.trajectory():

@@ -366,9 +366,9 @@ def test_missing_sdk_is_a_clear_import_error_and_changes_nothing(tmp_path: Path)
             otel_session.configure(dynamo_hosts=["dynamo:8000"], tracing=True)
         except ImportError as exc:
             print(exc)
-        print(_settings.active())
+        print(_settings.current)
         otel_session.configure(dynamo_hosts=["dynamo:8000"])
-        print(_settings.active().tracing)
+        print(_settings.current.tracing)
     """
     result = _run(tmp_path, source, {})
     assert result.returncode == 0, result.stderr
@@ -386,11 +386,11 @@ def test_missing_exporter_or_bad_protocol_keeps_the_previous_configuration(
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
     with pytest.raises(ImportError, match=r"pip install 'otel-session\[tracing\]'"):
         otel_session.configure(dynamo_hosts=["other:8000"], tracing=True)
-    assert _settings.active() is before
+    assert _settings.current is before
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
         otel_session.configure(dynamo_hosts=["other:8000"], tracing=True)
-    assert _settings.active() is before
+    assert _settings.current is before
     assert not HTTPXClientInstrumentor().is_instrumented_by_opentelemetry
 
 

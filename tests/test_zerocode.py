@@ -203,11 +203,11 @@ def test_distro_skips_client_instrumentors_and_loads_the_rest(monkeypatch: pytes
 def test_configurator_configures_only_when_nothing_did(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "dynamo-a:8000")
     SessionConfigurator().configure()
-    first = _settings.active()
+    first = _settings.current
     assert first is not None and first.rules
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "dynamo-b:8000")
     SessionConfigurator().configure()
-    assert _settings.active() is first
+    assert _settings.current is first
 
 
 # --- failing open: a setting that cannot be honoured is one line, the session is still delivered ---
@@ -418,7 +418,7 @@ def test_add_dynamo_hosts_reaches_this_process_and_later_children_but_not_neighb
     assert os.environ["OTEL_SESSION_DYNAMO_HOSTS"] == "frontend.invalid:8000"  # nothing changed
     otel_session.add_dynamo_hosts(f"http://{dynamo.authority}/v1")
     assert os.environ["OTEL_SESSION_DYNAMO_HOSTS"] == f"frontend.invalid:8000,{dynamo.authority}"
-    active = _settings.active()
+    active = _settings.current
     assert active is not None and active.rules.trusted  # the rest of the configuration is kept
     import httpx
 
