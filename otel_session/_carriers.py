@@ -195,10 +195,13 @@ def copy_request(request: Any, edits: list[tuple[str, str | None]], held: frozen
     return _copy(request, "headers", _headers_with(request.headers, edits, held))
 
 
-def request_for_transport(request: Any, edits: list[tuple[str, str | None]], held: frozenset[str]) -> Any:
+def request_for_transport(
+    request: Any, edits: list[tuple[str, str | None]], held: frozenset[str], entries: Entries | None = None
+) -> Any:
     """What a transport that reads only ``TRANSPORT_READS`` of a request (httpx's own: its
     instrumentor checks) sends in place of ``request``: those attributes, headers with ``edits`` of
-    their own. The caller's ``Request`` and its headers stay as they were.
+    their own (``entries``: the same edits as ``entries_for`` gives them, if known). The caller's
+    ``Request`` and its headers stay as they were.
 
     Set directly, as few as that: unlike ``copy_request``, it never reads the caller's ``__dict__``,
     which would make every later read of the caller's object slower too (measured: more than the copy).
@@ -206,30 +209,65 @@ def request_for_transport(request: Any, edits: list[tuple[str, str | None]], hel
     clone = object.__new__(type(request))
     clone.method, clone.url, clone.stream = request.method, request.url, request.stream
     clone.extensions = request.extensions
-    clone.headers = _headers_with(request.headers, edits, held)
+    clone.headers = _headers_with(request.headers, edits, held, entries)
     return clone
 
 
 TRANSPORT_READS = frozenset({"method", "url", "headers", "stream", "extensions"})
 
 
-def _headers_with(headers: Any, edits: list[tuple[str, str | None]], held: frozenset[str]) -> Any:
-    """A copy of ``headers`` with ``edits`` made."""
-    appended = None
+def stand_in(request: Any, names: frozenset[bytes], entries: Entries) -> Any | None:
+    """``request_for_transport`` on the express path, for edits known as ``entries``: ``None``
+    (plan it in full) unless its headers are of the layout ``_layout_holds`` saw and hold none of
+    ``names`` (as a fast ``Headers`` keeps names: ``names_to_find``'s second part)."""
+    headers = request.headers
+    if type(headers) not in _two_attribute_types:
+        return None
+    held = headers._list
+    if not names.isdisjoint(map(_LOWER_NAME, held)):
+        return None
+    copy = object.__new__(type(headers))
+    copy._list = held + entries
+    copy._encoding = headers._encoding
+    clone = object.__new__(type(request))
+    clone.method, clone.url, clone.stream = request.method, request.url, request.stream
+    clone.extensions = request.extensions
+    clone.headers = copy
+    return clone
+Entries = list[tuple[bytes, bytes, bytes]]  # header entries as a fast ``Headers`` keeps them in ``_list``
+
+
+def entries_for(edits: list[tuple[str, str | None]]) -> Entries | None:
+    """``edits`` as entries to append to a fast ``Headers``' ``_list``; ``None`` if there are none,
+    or one takes a header away or is not ASCII (then they are applied one by one)."""
+    if not edits:
+        return None
+    entries = [
+        (name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii"))
+        for name, value in edits
+        if value is not None and name.isascii() and value.isascii()
+    ]
+    return entries if len(entries) == len(edits) else None
+
+
+def _headers_with(
+    headers: Any, edits: list[tuple[str, str | None]], held: frozenset[str], entries: Entries | None = None
+) -> Any:
+    """A copy of ``headers`` with ``edits`` made (``entries``: as ``request_for_transport``)."""
     if not held and _kinds.get(type(headers)) == _ENTRIES:
-        last = _last_appended
-        appended = last[1] if last[0] is edits else _appended(edits)
-    if appended is None:
-        copy = copy_headers(headers)
-        apply(copy, edits, held=held)
-        return copy
-    # The usual hop: new headers appended to a copy of the caller's list.
-    if type(headers) in _two_attribute_types:  # the layout _layout_holds saw: set directly
-        copy = object.__new__(type(headers))
-        copy._list = headers._list + appended
-        copy._encoding = headers._encoding
-        return copy
-    return _copy(headers, "_list", headers._list + appended)
+        if entries is None:
+            entries = entries_for(edits)
+        if entries is not None:
+            # The usual hop: new headers appended to a copy of the caller's list.
+            if type(headers) in _two_attribute_types:  # the layout _layout_holds saw: set directly
+                copy = object.__new__(type(headers))
+                copy._list = headers._list + entries
+                copy._encoding = headers._encoding
+                return copy
+            return _copy(headers, "_list", headers._list + entries)
+    copy = copy_headers(headers)
+    apply(copy, edits, held=held)
+    return copy
 
 
 def _copy(obj: Any, name: str, value: Any) -> Any:
@@ -247,25 +285,6 @@ def _copy(obj: Any, name: str, value: Any) -> Any:
     if name not in attributes:
         setattr(clone, name, value)
     return clone
-
-
-# The entries of the last edit list seen, as a fast ``Headers`` keeps them: one trajectory's requests
-# to one router share one list of edits (the plan's cache keeps it). Swapped whole, so thread-safe.
-_last_appended: tuple[object, list[tuple[bytes, bytes, bytes]] | None] = (None, None)
-
-
-def _appended(edits: list[tuple[str, str | None]]) -> list[tuple[bytes, bytes, bytes]] | None:
-    """``edits`` as ``_list`` entries to append, or ``None`` if one takes a header away or is not
-    ASCII; kept for the next hop with the same edits (``_headers_with`` looks there first)."""
-    global _last_appended
-    entries = [
-        (name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii"))
-        for name, value in edits
-        if value is not None and name.isascii() and value.isascii()
-    ]
-    found = entries if len(entries) == len(edits) else None
-    _last_appended = (edits, found)
-    return found
 
 
 def apply(

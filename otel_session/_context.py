@@ -44,5 +44,7 @@ def with_session(session_id: str, parent_id: str | None, context: Context | None
     """A context whose baggage names ``session_id`` (and its parent, or no parent at all)."""
     context = baggage.set_baggage(SESSION_KEY, session_id, context)
     if parent_id is None:
+        if PARENT_KEY not in baggage.get_all(context):
+            return context  # a trajectory's usual start: no parent to remove, one context fewer
         return baggage.remove_baggage(PARENT_KEY, context)
     return baggage.set_baggage(PARENT_KEY, parent_id, context)

@@ -16,7 +16,7 @@ from opentelemetry.context import Context, get_current
 from otel_session import _carriers, _settings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, session_ids
 from otel_session._hosts import Route, canonical_origin
-from otel_session._policy import NO_OFFER, Edit, Offer, names_for, plan
+from otel_session._policy import Edit, Offer, names_for, plan
 
 
 class Hop(NamedTuple):
@@ -47,7 +47,7 @@ class Prepared(NamedTuple):
 
 
 def offer_for(ctx: Context, tracing: bool) -> Offer:
-    """What ``ctx`` offers a request, with tracing on or off (``now`` keeps the last answer)."""
+    """What ``ctx`` offers a request, with tracing on or off (``now`` remembers the answer)."""
     session, parent = session_ids(ctx)
     span_context = trace.get_current_span(ctx).get_span_context()
     # With tracing off a caller's extracted span is not passed on: only spans recorded here are.
@@ -56,16 +56,66 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
     return Offer(session, parent, entries, _w3c.traceparent(span_context) if traced else None)
 
 
-# The offer for the last context seen. A ``Context`` is immutable, so the same object always gives
-# the same answer, and one trajectory's requests share one until something attaches another: the
-# usual request skips reading baggage and finding the span. Swapped whole, so thread-safe.
-_last: tuple[object, bool, Offer] = (None, False, NO_OFFER)
-
-
 # What the context offers a request at this moment, under the configuration in force: (settings,
 # context, offer, watched: tracing is on or a span is current, see ``Prepared``). A plain tuple: one
 # is built for every request in a trajectory.
 Now = tuple[_settings.Settings, Context, Offer, bool]
+Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them
+Visit = tuple[str, str, str, "int | None"]  # (router profile, scheme family, host, port): see _session_end
+
+
+class Plan(NamedTuple):
+    """A hop's answer remembered for one destination, valid for a request holding none of ``names``
+    (what the request holds is the only input of the policy not fixed by context and destination).
+
+    ``entries``: the edits as a fast ``Headers`` keeps them (``_carriers.entries_for``), ``None``
+    where one cannot be appended so. ``note``: (the trajectory's set of routers reached, this one),
+    to add on every hop when sessions are ended.
+    """
+
+    names: _carriers.Names
+    prepared: Prepared
+    entries: _carriers.Entries | None
+    note: tuple[set[Visit], Visit] | None
+    nowhere: bool  # the destination may receive nothing: where only callers wrote, nothing to check
+
+    def fits(self, headers: Any, callers_only: bool) -> bool:
+        """Whether this answer is valid for a request with ``headers``: it holds none of ``names``,
+        or it goes nowhere and everything it holds was set by its caller (the answer is then
+        nothing, whatever it holds)."""
+        return (self.nowhere and callers_only) or not _carriers.holds_any(headers, self.names)
+
+    def taken(self) -> Prepared:
+        """The remembered answer, for a request found to hold none of ``names``."""
+        note = self.note
+        if note is not None:
+            note[0].add(note[1])
+        return self.prepared
+
+
+# The last context seen, under the configuration then in force: (context, settings, what it offers
+# (``now``'s answer), the plans made from it so far by destination, or ``None`` twice where it
+# offers nothing). A ``Context`` is immutable, so
+# the same object always gives the same answers, and one trajectory's requests share one until
+# something attaches another: the usual request then costs two identity checks and one lookup.
+# Swapped whole, and its dict only ever gains whole entries, so thread-safe.
+_Memo = tuple["Context | None", "_settings.Settings | None", "Now | None", "dict[Destination, Plan] | None"]
+_memo: _Memo = (None, None, None, None)
+_PLANS_KEPT = 64  # destinations remembered per context: a trajectory talks to a handful of hosts
+
+
+def _remember(settings: _settings.Settings, ctx: Context) -> _Memo:
+    """``_memo`` for ``ctx`` under ``settings``, made afresh."""
+    global _memo
+    tracing = settings.tracing
+    offer = offer_for(ctx, tracing)
+    watched = tracing or offer.traceparent is not None
+    offered = offer.session is not None or bool(offer.baggage) or watched
+    memo: _Memo = (ctx, settings, None, None)
+    if offered:
+        memo = (ctx, settings, (settings, ctx, offer, watched), {})
+    _memo = memo
+    return memo
 
 
 def now(ctx: Context | None = None) -> Now | None:
@@ -73,23 +123,29 @@ def now(ctx: Context | None = None) -> Now | None:
     when nothing at all (no configuration, or outside any trajectory with no baggage and tracing
     off): the usual untraced request outside a trajectory learns that before its destination is
     even read."""
-    global _last
     settings = _settings.current
     if settings is None:
         return None
     if ctx is None:
         ctx = get_current()
-    tracing = settings.tracing
-    last = _last
-    if last[0] is ctx and last[1] is tracing:
-        offer = last[2]
-    else:
-        offer = offer_for(ctx, tracing)
-        _last = (ctx, tracing, offer)
-    watched = tracing or offer.traceparent is not None
-    if offer.session is None and not offer.baggage and not watched:
+    memo = _memo
+    if memo[0] is not ctx or memo[1] is not settings:
+        memo = _remember(settings, ctx)
+    return memo[2]
+
+
+def plans_now() -> dict[Destination, Plan] | None:
+    """The plans remembered for a request sent now from the current context, by destination (the
+    express path: a hit, on a request holding none of its ``names``, is the whole answer); ``None``
+    when nothing can be added at all, as for ``now``. A miss is planned by ``prepare``."""
+    settings = _settings.current
+    if settings is None:
         return None
-    return settings, ctx, offer, watched
+    ctx = get_current()
+    memo = _memo
+    if memo[0] is not ctx or memo[1] is not settings:
+        memo = _remember(settings, ctx)
+    return memo[3]
 
 
 def prepare(
@@ -97,17 +153,18 @@ def prepare(
 ) -> Prepared:
     """What this hop's ``headers`` must gain, sent ``now`` to that destination.
 
-    ``callers_only=False`` where a stock propagator may already have written into ``headers``.
+    ``callers_only=False`` where a stock propagator may already have written into ``headers``. (A
+    request holding none of the names the policy reads gets the same answer either way: that is
+    the answer remembered.)
     """
-    global _recent
     settings, ctx, offer, watched = now
-    recent = _recent
-    asked = (offer, scheme, host, port, settings, callers_only)
-    if recent[0] == asked and not _carriers.holds_any(headers, recent[1]):
-        # the usual request: a trajectory's next turn to the same router
-        if recent[3] is not None:
-            _visited(ctx, recent[3])
-        return recent[2]
+    memo = _memo
+    plans = memo[3] if memo[0] is ctx and memo[1] is settings else None
+    destination = (scheme, host, port)
+    if plans is not None:
+        known = plans.get(destination)
+        if known is not None and known.fits(headers, callers_only):
+            return known.taken()
     route = settings.rules.route(scheme, host, port)
     names: tuple[str, ...] = ()
     held: dict[str, str] = {}
@@ -118,34 +175,37 @@ def prepare(
         edits = plan(route, offer, held, callers_only=callers_only)
     added = frozenset(name.lower() for name, value in edits if value is not None)
     prepared = Prepared(edits, Hop(route, added), watched, frozenset(held))
-    profile = route.profile
-    visit = None
-    ends = settings.end_sessions  # else no trajectory keeps a set of routers to tell
-    if ends and profile is not None and host and edits and edits[0][0] == profile.session_header:
-        visit = (profile.name, *canonical_origin(scheme, host, port))
-        _visited(ctx, visit)
-    if not held:
-        _recent = (asked, _carriers.names_to_find(names), prepared, visit)
+    note = _note(settings, ctx, route, edits, scheme, host, port)
+    if note is not None:
+        note[0].add(note[1])
+    if not held and plans is not None:
+        if len(plans) >= _PLANS_KEPT:
+            plans.clear()
+        # names_for(route), not just those read: a request to a route-less host may still hold a
+        # stock propagator's copies, which the answer for callers_only=False takes back
+        plans[destination] = Plan(
+            _carriers.names_to_find(names_for(route)), prepared, _carriers.entries_for(edits), note, not route
+        )
     return prepared
 
 
-def _visited(ctx: Context, visit: tuple[str, str, str, int | None]) -> None:
-    """Note for ``trajectory()`` (when it ends sessions) a router this trajectory's session reached."""
+def _note(
+    settings: _settings.Settings,
+    ctx: Context,
+    route: Route,
+    edits: list[Edit],
+    scheme: str,
+    host: str | None,
+    port: int | None,
+) -> tuple[set[Visit], Visit] | None:
+    """Where ``trajectory()`` ends sessions: its set of routers reached, and this hop's router if
+    the hop delivers the session to one."""
+    profile = route.profile
+    if not settings.end_sessions or profile is None or not host or not edits:
+        return None
+    if edits[0][0] != profile.session_header:
+        return None
     visits = ctx.get(ROUTER_VISITS_KEY)
-    if isinstance(visits, set):
-        visits.add(visit)
-
-
-# The last hop prepared whose request held none of our headers: (what was asked: offer, scheme, host,
-# port, settings, callers_only; the names a request holding any of must be planned afresh, as
-# ``_carriers.names_to_find`` gives them; the answer; the router visit to note). A trajectory's turns
-# to one router ask the same question every time: answered once, then from here while the context,
-# destination and configuration stay the same. One tuple, compared in one step, swapped whole:
-# thread-safe.
-_Asked = tuple[object, str, "str | None", "int | None", object, bool]
-_recent: tuple[_Asked | None, _carriers.Names, Prepared, tuple[str, str, str, int | None] | None] = (
-    None,
-    _carriers.names_to_find(()),
-    Prepared([], Hop(Route(), frozenset()), False, frozenset()),
-    None,
-)
+    if not isinstance(visits, set):
+        return None
+    return visits, (profile.name, *canonical_origin(scheme, host, port))

@@ -29,7 +29,7 @@ from otel_session._instrumentor import SessionInstrumentor, Wrapper
 # Hops planned by a transport other than httpx's own, in flight: id(our copy sent) -> (that copy; the
 # destination it was planned for; the caller's own headers). Never the caller's own object, which
 # another hop may be sending at the same moment.
-_in_flight: dict[int, tuple[Any, tuple[str, str, int | None], Any]] = {}
+_in_flight: dict[int, tuple[Any, _hop.Destination, Any]] = {}
 _STOCK_METHODS = ("handle_request", "handle_async_request")
 # Request classes whose library's own transport reads no attribute of a request beyond what
 # ``_carriers.request_for_transport`` sets (checked on its code when patching): sent as such a
@@ -72,7 +72,7 @@ def _url_keeps_its_parts(module: ModuleType) -> bool:
         return False
 
 
-def _destination(url: Any) -> tuple[str, str, int | None]:
+def _destination(url: Any) -> _hop.Destination:
     """Where a request to ``url`` goes: (scheme, host, port) as ``url``'s properties give them."""
     if type(url) in _parsed_urls:
         parsed = url._uri_reference
@@ -81,9 +81,9 @@ def _destination(url: Any) -> tuple[str, str, int | None]:
     return url.scheme, url.host, url.port
 
 
-def _plan(headers: Any, url: Any) -> _hop.Prepared | None:
-    """The hop of a request with ``headers`` to ``url``, planned; ``None``: nothing could be added
-    (see ``_hop.now``: the usual request outside a trajectory never reads its URL).
+def _plan(headers: Any, destination: _hop.Destination) -> _hop.Prepared | None:
+    """The hop of a request with ``headers`` to ``destination``, planned; ``None``: nothing could be
+    added (see ``_hop.now``: the usual request outside a trajectory never reads its URL).
 
     A stock propagator composed with ours may have written our values already (an upstream
     instrumentation above this hook injecting through it): then what is recognisably ours is taken
@@ -92,10 +92,10 @@ def _plan(headers: Any, url: Any) -> _hop.Prepared | None:
     now = _hop.now()
     if now is None:
         return None
-    return _hop.prepare(now, headers, *_destination(url), _propagator.is_sole_global())
+    return _hop.prepare(now, headers, *destination, _propagator.is_sole_global())
 
 
-def _registered(request: Any) -> tuple[Any, tuple[str, str, int | None], Any] | None:
+def _registered(request: Any) -> tuple[Any, _hop.Destination, Any] | None:
     """``request``'s entry in ``_in_flight`` if it is a copy of ours in flight: (that copy, the
     destination it was planned for, the caller's own headers)."""
     entry = _in_flight.get(id(request))
@@ -104,13 +104,40 @@ def _registered(request: Any) -> tuple[Any, tuple[str, str, int | None], Any] | 
 
 def _at_transport(request: Any) -> Any:
     """What httpx's own transport sends for ``request``: planned here, for the URL it dials, unless a
-    transport above planned it (then planned again only if that transport sent it elsewhere)."""
+    transport above planned it (then planned again only if that transport sent it elsewhere).
+
+    The usual request takes the express path: the plan remembered for its context and destination
+    (``_hop.plans_now``), valid while it holds none of the names the policy reads. The first hop of a
+    context to a destination is planned, remembered, and then sent the same way, so a trajectory's
+    first request runs the code its next ones run. Anything else is planned and sent in full.
+    """
     try:
+        prepared = None
         if _in_flight:
             entry = _registered(request)
             if entry is not None:
                 return _replan_if_moved(request, entry)
-        prepared = _plan(request.headers, request.url)
+        else:
+            plans = _hop.plans_now()
+            if plans is None:
+                return request  # nothing to add from this context: its URL is not even read
+            destination = _destination(request.url)
+            known = plans.get(destination)
+            if known is None:
+                prepared = _plan(request.headers, destination)  # remembered unless it holds ours
+                known = plans.get(destination)
+            if known is not None:
+                if known.entries is not None:
+                    if type(request) in _stand_ins_for:
+                        sent = _carriers.stand_in(request, known.names[1], known.entries)
+                        if sent is not None:
+                            if known.note is not None:
+                                known.taken()
+                            return sent
+                elif not known.prepared.edits and known.fits(request.headers, _propagator.is_sole_global()):
+                    return request
+        if prepared is None:
+            prepared = _plan(request.headers, _destination(request.url))
         if prepared is None or not prepared.edits:
             return request
         if type(request) in _stand_ins_for:
@@ -121,7 +148,7 @@ def _at_transport(request: Any) -> Any:
         return request
 
 
-def _replan_if_moved(request: Any, entry: tuple[Any, tuple[str, str, int | None], Any]) -> Any:
+def _replan_if_moved(request: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
     """Our copy, planned again if a transport changed where it goes after we planned it: the
     caller's headers with what the new destination may receive (edited in place: it is ours)."""
     destination = _destination(request.url)
@@ -129,7 +156,7 @@ def _replan_if_moved(request: Any, entry: tuple[Any, tuple[str, str, int | None]
         return request
     callers = entry[2]
     headers = _carriers.copy_headers(callers)
-    again = _plan(callers, request.url)
+    again = _plan(callers, destination)
     if again is not None:
         _carriers.apply(headers, again.edits, held=again.held)
     request.headers = headers
@@ -147,12 +174,13 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
             if entry is not None:
                 _replan_if_moved(request, entry)
                 return None
-        prepared = _plan(request.headers, request.url)
+        destination = _destination(request.url)
+        prepared = _plan(request.headers, destination)
         if prepared is None or not prepared.edits:
             return None  # the caller's own object, as it is: any transport it reaches plans it afresh
         sent = _carriers.copy_request(request, prepared.edits, prepared.held)
         key = id(sent)
-        _in_flight[key] = (sent, _destination(request.url), request.headers)
+        _in_flight[key] = (sent, destination, request.headers)
         return sent, key
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)

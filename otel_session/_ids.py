@@ -8,8 +8,8 @@ server), never emitted where it would break someone's request.
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 
 SESSION_HEADER = "X-Dynamo-Session-ID"
 PARENT_SESSION_HEADER = "X-Dynamo-Parent-Session-ID"
@@ -19,8 +19,16 @@ _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]{1,256}")
 
 
 def new_session_id() -> str:
-    """A fresh canonical UUID4: unguessable and unique per trajectory attempt."""
-    return str(uuid.uuid4())
+    """A fresh canonical UUID4: unguessable and unique per trajectory attempt.
+
+    Exactly ``str(uuid.uuid4())`` (16 bytes from ``os.urandom``, version 4, RFC 4122 variant), at
+    half its cost where it counts: at each trajectory start, with the caches cold from the requests.
+    """
+    raw = bytearray(os.urandom(16))
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4
+    raw[8] = raw[8] & 0x3F | 0x80  # variant 10xx
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def is_valid_session_id(value: object) -> bool:

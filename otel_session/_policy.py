@@ -16,7 +16,8 @@ to whatever header object they have.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 from otel_session import _w3c
 from otel_session._context import PARENT_KEY, SESSION_KEY
@@ -29,13 +30,15 @@ _SESSION_FIRST = (SESSION_KEY, PARENT_KEY)
 Edit = tuple[str, "str | None"]  # (header name, value to set, or None to take the header away)
 
 
-@dataclass(frozen=True)
-class Offer:
-    """What the current context offers a request: the session, its baggage, the span to name."""
+class Offer(NamedTuple):
+    """What the current context offers a request: the session, its baggage, the span to name.
+
+    A tuple, not a dataclass: one is made at the first request of every trajectory.
+    """
 
     session: str | None = None
     parent: str | None = None
-    baggage: Mapping[str, object] = field(default_factory=dict)
+    baggage: Mapping[str, object] = MappingProxyType({})
     traceparent: str | None = None
 
     @property

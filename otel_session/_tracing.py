@@ -172,12 +172,22 @@ def apply(enabled: bool) -> None:
 
 def tracer() -> trace.Tracer:
     """The tracer for trajectory spans, looked up at each trajectory start since tracing can switch."""
+    global _borrowed
     current = _tracer
     if current is not None:
         return current
     if _owns_global:
         return _NOOP_TRACER  # the global provider is our idle one: off must mean no valid spans
-    return trace.get_tracer(_TRACER_NAME)
+    borrowed = _borrowed
+    if borrowed is None:  # asked once: a trajectory start pays no lookup
+        borrowed = _borrowed = trace.get_tracer(_TRACER_NAME)
+    return borrowed
+
+
+# The global provider's tracer, when that provider is not ours. Kept for the process: the global
+# provider is set at most once, and what the API's proxy provider hands out before that is a proxy
+# tracer, which follows the provider set later.
+_borrowed: trace.Tracer | None = None
 
 
 def provider() -> TracerProvider | None:

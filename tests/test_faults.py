@@ -193,8 +193,8 @@ def _fail_after_the_first_edit(original: Any) -> Any:
 
 
 def _fail_once_ours_are_in_a_copy(original: Any) -> Any:
-    """Every httpx hop builds headers of its own with ours, then the request around them: that
-    fails, once the headers hold every header of ours."""
+    """Every httpx hop builds headers of its own with ours, then the request around them (the
+    express path in one step, ``stand_in``): that fails, once the headers hold every header of ours."""
 
     def headers_with(*args: Any, **kwargs: Any) -> Any:
         original(*args, **kwargs)
@@ -207,8 +207,8 @@ def _fail_midway(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if where == "apply":
         monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
     else:
-        failing = _fail_once_ours_are_in_a_copy(_carriers._headers_with)
-        monkeypatch.setattr(_carriers, "_headers_with", failing)
+        for name in ("_headers_with", "stand_in"):
+            monkeypatch.setattr(_carriers, name, _fail_once_ours_are_in_a_copy(getattr(_carriers, name)))
 
 
 @pytest.mark.parametrize("where", ["apply", "copy"])
@@ -252,8 +252,8 @@ async def test_a_failing_request_copy_does_not_leak_the_session_to_a_redirect_ta
 ) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     dynamo.redirect_to = other.url
-    monkeypatch.setattr(_carriers, "copy_request", _boom)
-    monkeypatch.setattr(_carriers, "request_for_transport", _boom)
+    for name in ("copy_request", "request_for_transport", "stand_in"):
+        monkeypatch.setattr(_carriers, name, _boom)
     async with httpx.AsyncClient(follow_redirects=True) as client:
         with otel_session.trajectory():
             (await client.get(f"{dynamo.url}/r/v1/models")).raise_for_status()
