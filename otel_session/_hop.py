@@ -101,7 +101,7 @@ class Plan(NamedTuple):
 # Swapped whole, and its dict only ever gains whole entries, so thread-safe.
 _Memo = tuple["Context | None", "_settings.Settings | None", "Now | None", "dict[Destination, Plan] | None"]
 _memo: _Memo = (None, None, None, None)
-_PLANS_KEPT = 64  # destinations remembered per context: a trajectory talks to a handful of hosts
+PLANS_KEPT = 64  # destinations remembered per context: a trajectory talks to a handful of hosts
 
 
 def _remember(settings: _settings.Settings, ctx: Context) -> _Memo:
@@ -179,7 +179,7 @@ def prepare(
     if note is not None:
         note[0].add(note[1])
     if not held and plans is not None:
-        if len(plans) >= _PLANS_KEPT:
+        if len(plans) >= PLANS_KEPT:
             plans.clear()
         # names_for(route), not just those read: a request to a route-less host may still hold a
         # stock propagator's copies, which the answer for callers_only=False takes back

@@ -38,7 +38,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import otel_session
-from otel_session import SESSION_HEADER
+from benchmarks._servers import LoopbackServer
+from otel_session import SESSION_HEADER, _hop
 from otel_session.servers import SessionMiddleware, aiohttp_session_middleware
 from tests.clients import CLIENTS, send
 from tests.loopback import AsgiServer
@@ -761,3 +762,47 @@ def test_one_router_reached_by_two_spellings_is_told_once() -> None:
 async def _aiohttp_get(url: str) -> None:
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         await response.read()
+
+
+# ---- 8. remembered plans: one per context and destination ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_trajectory_alternating_destinations_gets_each_its_own_answer_every_time(
+    kind: str, dynamo: Recorder, gym: Recorder, other: Recorder
+) -> None:
+    """The plans a trajectory's context remembers are per destination: turns that go back and forth
+    between a router, a trusted host and any other host never take one another's answer."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority], trusted_hosts=[gym.authority])
+    order = [dynamo, gym, other, dynamo, other, gym, dynamo, dynamo, other, other, gym]
+    with otel_session.trajectory() as traj:
+        for server in order:
+            await send(kind, server.url)
+    assert len(dynamo.requests) == 4 and len(gym.requests) == 3 and len(other.requests) == 4
+    for seen in dynamo.requests:
+        assert seen.values(SESSION_HEADER) == [traj.session_id] and seen.get("baggage") is None
+    for seen in gym.requests:
+        assert seen.get(SESSION_HEADER) is None
+        assert seen.values("baggage") == [f"session.id={traj.session_id}"]
+    for seen in other.requests:
+        assert not OURS & seen.names(), seen.headers
+
+
+def test_more_destinations_than_a_context_remembers_each_get_their_answer() -> None:
+    """A context remembers a bounded number of destinations: past the bound it forgets them and plans
+    afresh, and every request still gets exactly its destination's answer, also on the way back."""
+    hosts = [f"127.0.0.{index}" for index in range(1, 81)]  # 80 loopback destinations
+    with LoopbackServer(hosts, record=True) as server:
+        routers = set(server.authorities[::3])
+        otel_session.configure(dynamo_hosts=sorted(routers))
+        with otel_session.trajectory() as traj, httpx.Client() as client:
+            for turn in range(2):
+                for index, url in enumerate(server.urls):
+                    client.get(f"{url}/{turn}/{index}").raise_for_status()
+                remembered = _hop.plans_now()
+                assert remembered is not None and 0 < len(remembered) <= _hop.PLANS_KEPT < len(hosts)
+        seen = {record["path"]: record.get("x-dynamo-session-id") for record in server.records()}
+    for turn in range(2):
+        for index, authority in enumerate(server.authorities):
+            expected = [traj.session_id] if authority in routers else None
+            assert seen[f"/{turn}/{index}"] == expected, (turn, authority)

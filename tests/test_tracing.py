@@ -320,11 +320,15 @@ APP_PROVIDER_SCRIPT = """
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    dynamo, trusted, other, when = sys.argv[1:5]
+    if when == "late":  # a trajectory before the application sets its provider: ours follows it
+        otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted])
+        with otel_session.trajectory():
+            pass
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    dynamo, trusted, other = sys.argv[1:4]
     otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted])
     with otel_session.trajectory(attempt=2) as traj, httpx.Client() as client:
         for host in (dynamo, trusted, other):
@@ -339,11 +343,14 @@ APP_PROVIDER_SCRIPT = """
 """
 
 
+@pytest.mark.parametrize("when", ["early", "late"])
 def test_application_provider_records_our_spans_with_tracing_off(
-    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+    when: str, servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
 ) -> None:
+    """The application's provider, set before configure() or after trajectories already ran."""
     dynamo, trusted, other = servers
-    result = _run(tmp_path, APP_PROVIDER_SCRIPT, {}, dynamo.authority, trusted.authority, other.authority)
+    authorities = (dynamo.authority, trusted.authority, other.authority)
+    result = _run(tmp_path, APP_PROVIDER_SCRIPT, {}, *authorities, when)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     (span,) = report["spans"]  # ours only: with tracing off the clients are not instrumented
