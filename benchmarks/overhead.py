@@ -24,8 +24,10 @@ itself (caches still warm from its last chunk), equally often: without that, the
 three sides looked 3% slower than it is.
 
 A chunk's figure is its wall time over the bare side's chunk of the same turn; the result is the
-median of those ratios over all turns of all pairs, with their quartiles and the spread of the
-pairs' own medians, because a machine shared with other work moves from one pair to the next.
+median of those ratios over all turns of all pairs, with a 95 % interval (resampling pairs, then
+chunks within them: a fresh process moves its pair's figure by a few per cent, and a shared
+machine's chunks scatter by ±15 %) and the spread of the pairs' own medians. The configured side is
+also compared with the least hook chunk by chunk: what otel-session costs beyond a header.
 CPU is each worker's own ``time.process_time`` (all its threads), per request; the GC column is
 time in the garbage collector (``gc.callbacks``). What setting up cost (imports, configure) is
 reported once per process: a configured process pays it at start.
@@ -47,6 +49,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -231,19 +234,23 @@ def summarize(
             ratios: list[float] = []
             added_cpu: list[float] = []
             per_pair: list[float] = []
+            by_pair: list[list[float]] = []
             bare_wall: list[float] = []
             bare_cpu: list[float] = []
             gc_ms: list[float] = []
             bare_gc_ms: list[float] = []
+            added_first: list[float] = []
             for pair in pairs:
                 mine, base = pair.chunks[case][name], pair.chunks[case][reference]
                 these = [a["wall"] / b["wall"] for a, b in zip(mine, base, strict=True)]
                 ratios += these
+                by_pair.append(these)
                 per_pair.append(statistics.median(these))
                 added_cpu += [(a["cpu"] - b["cpu"]) / n * 1e6 for a, b in zip(mine, base, strict=True)]
                 bare_wall += [b["wall"] / n * 1e6 for b in base]
                 bare_cpu += [b["cpu"] / n * 1e6 for b in base]
                 gc_ms += [a["gc"] / n * 1e6 for a in mine]
+                added_first += [(a["first"] - b["first"]) * 1e6 for a, b in zip(mine, base, strict=True)]
                 bare_gc_ms += [b["gc"] / n * 1e6 for b in base]
             lo, hi = quartiles(ratios)
             rows.append(
@@ -252,6 +259,7 @@ def summarize(
                     "reference": reference,
                     "case": case,
                     "wall_ratio": round(statistics.median(ratios), 4),
+                    "wall_ratio_ci95": [round(value, 4) for value in interval(by_pair)],
                     "wall_ratio_iqr": [round(lo, 4), round(hi, 4)],
                     "wall_ratio_pair_medians": [round(value, 4) for value in per_pair],
                     "chunks": len(ratios),
@@ -259,11 +267,29 @@ def summarize(
                     "bare_cpu_us": round(statistics.median(bare_cpu), 1),
                     "added_cpu_us": round(statistics.median(added_cpu), 1),
                     "added_cpu_us_iqr": [round(value, 1) for value in quartiles(added_cpu)],
+                    "added_first_request_wall_us": round(statistics.median(added_first), 1),
                     "gc_us_per_request": round(statistics.median(gc_ms), 2),
                     "bare_gc_us_per_request": round(statistics.median(bare_gc_ms), 2),
                 }
             )
     return rows
+
+
+def interval(per_pair: list[list[float]], draws: int = 1000, seed: int = 11) -> tuple[float, float]:
+    """A 95 % interval for the median of the pooled chunk ratios, by resampling what varies: the
+    pairs (each fresh process is a new draw of heap layout and hash seed, which moves a pair's
+    figure by a few per cent) and, within each, its chunks. Seeded: the same run, the same interval."""
+    rng = random.Random(seed)
+    medians = []
+    for _ in range(draws):
+        pooled = [
+            ratio
+            for chunks in rng.choices(per_pair, k=len(per_pair))
+            for ratio in rng.choices(chunks, k=len(chunks))
+        ]
+        medians.append(statistics.median(pooled))
+    medians.sort()
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def summarize_setup(pairs: list[Pair], names: Sequence[str]) -> list[dict[str, Any]]:
@@ -295,20 +321,26 @@ def summarize_setup(pairs: list[Pair], names: Sequence[str]) -> list[dict[str, A
 
 def print_results(rows: list[dict[str, Any]], setup: list[dict[str, Any]], pairs: int) -> None:
     print(
-        f"\n  {'side':10} {'case':30} {'wall ratio':>10} {'[quartiles]':>15} {'pairs min..max':>14} "
-        f"{'bare wall us':>12} {'bare CPU us':>11} {'added CPU us':>12} {'GC us side/bare':>15}"
+        f"\n  {'side':10} {'case':30} {'wall ratio':>10} {'[95% interval]':>16} {'pairs min..max':>14} "
+        f"{'bare wall us':>12} {'bare CPU us':>11} {'added CPU us':>12} {'1st request':>11} "
+        f"{'GC us side/bare':>15}"
     )
     for row in rows:
-        lo, hi = row["wall_ratio_iqr"]
+        lo, hi = row["wall_ratio_ci95"]
         pair_medians = row["wall_ratio_pair_medians"]
         gc_us = f"{row['gc_us_per_request']:.1f}/{row['bare_gc_us_per_request']:.1f}"
         print(
             f"  {row['side']:10} {LABELS[row['case']]:30} {row['wall_ratio']:10.3f} "
-            f"{f'[{lo:.3f}, {hi:.3f}]':>15} {f'{min(pair_medians):.3f}..{max(pair_medians):.3f}':>14} "
-            f"{row['bare_wall_us']:12.1f} {row['bare_cpu_us']:11.1f} {row['added_cpu_us']:+12.1f} {gc_us:>15}"
+            f"{f'[{lo:.3f}, {hi:.3f}]':>16} {f'{min(pair_medians):.3f}..{max(pair_medians):.3f}':>14} "
+            f"{row['bare_wall_us']:12.1f} {row['bare_cpu_us']:11.1f} {row['added_cpu_us']:+12.1f} "
+            f"{row['added_first_request_wall_us']:+11.1f} {gc_us:>15}"
         )
     shown = {row["side"] for row in rows}
     print("  " + "; ".join(f"{name}: {label}" for name, label in KIND_LABELS.items() if name in shown))
+    print(
+        "  1st request: the wall time a chunk's first request adds (us, median over chunks), the "
+        "trajectory's start included: what each new trajectory pays once, with the caches cold"
+    )
     print(f"\n  Once per process (medians over {pairs} pairs):")
     print(
         f"  {'side':10} {'setup CPU ms':>12} {'setup wall ms':>13} {'CPU at ready ms':>15} "
@@ -320,6 +352,16 @@ def print_results(rows: list[dict[str, Any]], setup: list[dict[str, Any]], pairs
             f"  {row['side']:10} {row['setup_cpu_ms']:12.1f} {row['setup_wall_ms']:13.1f} "
             f"{row['process_cpu_ms_at_ready']:15.1f} {row['max_rss_kb_at_ready'] / 1024:10.1f} "
             f"{row['modules']:7.0f} {row['gc_objects']:10.0f}  {' '.join(extra)}"
+        )
+
+
+def print_direct(rows: list[dict[str, Any]]) -> None:
+    """Rows of one side against another side (not bare), one line per case."""
+    for row in rows:
+        lo, hi = row["wall_ratio_ci95"]
+        print(
+            f"  {LABELS[row['case']]:30} wall ratio {row['wall_ratio']:.3f} (95% {lo:.3f}-{hi:.3f}), "
+            f"CPU {row['added_cpu_us']:+.1f} us per request"
         )
 
 
@@ -367,26 +409,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     libraries = {row["side"]: row["library"] for row in setup if row["library"]}
     print("\n" + "; ".join(f"{name}: otel_session from {where}" for name, where in libraries.items()))
     print_results(rows, setup, len(pairs))
+    beyond = summarize(pairs, ["configured", "least"], args.requests, "least") if "least" in names else []
+    if beyond:
+        print("\n  configured / least hook, chunk by chunk (otel-session's cost beyond delivering a header):")
+        print_direct(beyond)
     direct = summarize(pairs, ["configured", "compared"], args.requests, "compared") if args.compare else []
     if direct:
         print("\n  configured / compared, chunk by chunk (below 1: the measured otel_session is cheaper):")
-        for row in direct:
-            lo, hi = row["wall_ratio_iqr"]
-            print(
-                f"  {LABELS[row['case']]:30} wall ratio {row['wall_ratio']:.3f} [{lo:.3f}, {hi:.3f}], "
-                f"CPU {row['added_cpu_us']:+.1f} us per request"
-            )
+        print_direct(direct)
     headers_ok = all(all(pair.header_check.values()) for pair in pairs)
-    floor = {
-        row["case"]: row["wall_ratio"] <= FLOOR
-        for row in rows
-        if row["side"] == "configured" and row["case"] in ("dynamo", "outside")
-    }
+    floored = [row for row in rows if row["side"] == "configured" and row["case"] in ("dynamo", "outside")]
+    floor = {row["case"]: row["wall_ratio"] <= FLOOR for row in floored}
     least = {row["case"]: row["wall_ratio"] for row in rows if row["side"] == "least"}
     seconds = round(time.perf_counter() - started, 1)
     print(
         f"\n  floor (configured / bare wall ratio <= {FLOOR} in and outside a trajectory): "
-        + ", ".join(f"{case} {'ok' if ok else 'MISS'}" for case, ok in floor.items())
+        + ", ".join(
+            f"{row['case']} {row['wall_ratio']:.3f} {'ok' if floor[row['case']] else 'MISS'} "
+            f"(95% interval {row['wall_ratio_ci95'][0]:.3f}-{row['wall_ratio_ci95'][1]:.3f})"
+            for row in floored
+        )
         + ("" if headers_ok else "; the session header was NOT where it should be")
     )
     if "dynamo" in least:
@@ -410,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     document = {
         "meta": meta,
         "rows": rows,
+        "configured_vs_least": beyond,
         "configured_vs_compared": direct,
         "setup": setup,
         "header_check_ok": headers_ok,

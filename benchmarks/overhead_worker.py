@@ -17,7 +17,8 @@ calls ``otel_session.configure(dynamo_hosts=[the dynamo URL's host:port])`` with
 
 It speaks JSON lines: first it prints what its setup cost, then for each command read from stdin
 (``{"case": "dynamo" | "other" | "outside", "n": N}``) it sends ``N`` requests on one keep-alive
-``httpx.Client`` and prints the chunk's process CPU, wall time and time in garbage collection.
+``httpx.Client`` and prints the chunk's process CPU, wall time, time in garbage collection, and
+the wall time to the end of its first request (a trajectory's start, paid with caches cold).
 "dynamo" and "other" run inside one ``trajectory()`` per chunk (configured side only), to the
 Dynamo host or to a host that is not configured; "outside" goes to the Dynamo host with no
 trajectory open. ``{"check": PATH}`` sends one request per case to ``PATH/<case>`` (the server
@@ -169,14 +170,18 @@ def main() -> int:
             url, n = f"{urls[command['case']]}/v1/chat/completions", int(command["n"])
             gc_before = clock.seconds, clock.collections
             cpu, wall = time.process_time(), time.perf_counter()
+            first = 0.0
             with trajectory(command["case"] != "outside"):
-                for _ in range(n):
+                for index in range(n):
                     client.post(url, json=PAYLOAD).raise_for_status()
+                    if index == 0:  # the trajectory's start and its first request, caches cold
+                        first = time.perf_counter() - wall
             wall = time.perf_counter() - wall
             cpu = time.process_time() - cpu
             result = {
                 "cpu": cpu,
                 "wall": wall,
+                "first": first,
                 "gc": clock.seconds - gc_before[0],
                 "collections": clock.collections - gc_before[1],
             }

@@ -28,6 +28,7 @@ _CASE_INSENSITIVE_TYPES = frozenset(
     }
 )
 _kinds: dict[type, int] = {}
+_LOWER_NAME = operator.itemgetter(1)  # of a fast ``Headers``' ``_list`` entry: the lower-case name
 # Fast ``Headers`` types whose instances hold ``_list`` and ``_encoding`` and nothing else: a copy of
 # one is made by setting those two (``_headers_with``).
 _two_attribute_types: set[type] = set()
@@ -94,6 +95,8 @@ def read(carrier: Any, names: tuple[str, ...]) -> dict[str, str]:
         how = kind_of(carrier)
     if how == _ENTRIES:
         encoded = _encoded(names)
+        if encoded.keys().isdisjoint(map(_LOWER_NAME, carrier._list)):
+            return held  # the usual request: none of them, found without a Python loop
         for _, lower, _ in carrier._list:
             name = encoded.get(lower)
             if name is not None and name not in held:
@@ -127,7 +130,15 @@ Names = tuple[tuple[str, ...], frozenset[bytes]]
 
 def names_to_find(names: tuple[str, ...]) -> Names:
     """``names`` (lower-case) ready for ``holds_any``, which runs on every request."""
-    return names, frozenset(_encoded(names))
+    found = _to_find.get(names)
+    if found is None:
+        found = (names, frozenset(_encoded(names)))
+        if len(_to_find) < 256:  # names come from the few configured routes; bounded all the same
+            _to_find[names] = found
+    return found
+
+
+_to_find: dict[tuple[str, ...], Names] = {}
 
 
 def holds_any(carrier: Any, names: Names) -> bool:
@@ -139,8 +150,6 @@ def holds_any(carrier: Any, names: Names) -> bool:
         return not names[1].isdisjoint(map(_LOWER_NAME, carrier._list))
     return bool(read(carrier, names[0]))
 
-
-_LOWER_NAME = operator.itemgetter(1)
 
 
 def remove(carrier: Any, name: str) -> None:

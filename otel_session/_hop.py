@@ -4,6 +4,11 @@ The client instrumentors call ``prepare`` at the point where a request's destina
 connection's scheme, host and port) and apply the edits it returns to that hop's headers only. The
 propagator reads the ``Hop`` they leave in the context, so an upstream instrumentation injecting
 later in the same hop gets the same answer.
+
+Answers are remembered for the current context, by destination (``plans_now``): a trajectory sends
+many requests to a few hosts from one context, and the policy's only other input, what the request
+already holds, is checked on each (``Plan.fits``). httpx's hook takes a remembered answer without
+calling ``prepare`` at all: that is the whole cost of the usual request.
 """
 
 from __future__ import annotations

@@ -36,11 +36,13 @@ def test_process_pair_sides_each_pay_their_own_setup_and_only_configured_sends_t
         for side in SIDES:
             chunks = pair.chunks[case][side.name]
             assert len(chunks) == 2 and all(chunk["wall"] > 0 and chunk["cpu"] > 0 for chunk in chunks)
+            assert all(0 < chunk["first"] < chunk["wall"] for chunk in chunks)
     rows = summarize([pair], [side.name for side in SIDES], n=3)
     assert {(row["side"], row["case"]) for row in rows} == {
         (name, case) for name in ("imports", "least", "configured") for case in CASES
     }
     assert all(math.isfinite(row["wall_ratio"]) and row["wall_ratio"] > 0 for row in rows)
+    assert all(row["wall_ratio_ci95"][0] <= row["wall_ratio"] <= row["wall_ratio_ci95"][1] for row in rows)
     setup = {row["side"]: row for row in summarize_setup([pair], [side.name for side in SIDES])}
     assert "otel_session" in setup["configured"]["packages_beyond_bare"]
     assert setup["bare"]["packages_beyond_bare"] == []
