@@ -151,7 +151,6 @@ def holds_any(carrier: Any, names: Names) -> bool:
     return bool(read(carrier, names[0]))
 
 
-
 def remove(carrier: Any, name: str) -> None:
     """Take header ``name`` (any case, every occurrence) out of ``carrier``."""
     how = _kinds.get(type(carrier))
@@ -243,6 +242,8 @@ def stand_in(request: Any, names: frozenset[bytes], entries: Entries) -> Any | N
     clone.extensions = request.extensions
     clone.headers = copy
     return clone
+
+
 Entries = list[tuple[bytes, bytes, bytes]]  # header entries as a fast ``Headers`` keeps them in ``_list``
 
 

@@ -180,7 +180,7 @@ def prepare(
         edits = plan(route, offer, held, callers_only=callers_only)
     added = frozenset(name.lower() for name, value in edits if value is not None)
     prepared = Prepared(edits, Hop(route, added), watched, frozenset(held))
-    note = _note(settings, ctx, route, edits, scheme, host, port)
+    note = _note(ctx, route, edits, scheme, host, port) if settings.end_sessions else None
     if note is not None:
         note[0].add(note[1])
     if not held and plans is not None:
@@ -195,7 +195,6 @@ def prepare(
 
 
 def _note(
-    settings: _settings.Settings,
     ctx: Context,
     route: Route,
     edits: list[Edit],
@@ -203,10 +202,10 @@ def _note(
     host: str | None,
     port: int | None,
 ) -> tuple[set[Visit], Visit] | None:
-    """Where ``trajectory()`` ends sessions: its set of routers reached, and this hop's router if
-    the hop delivers the session to one."""
+    """Where ``trajectory()`` ends sessions (``end_sessions`` on): its set of routers reached, and
+    this hop's router if the hop delivers the session to one."""
     profile = route.profile
-    if not settings.end_sessions or profile is None or not host or not edits:
+    if profile is None or not host or not edits:
         return None
     if edits[0][0] != profile.session_header:
         return None

@@ -77,11 +77,11 @@ class trajectory:
     def __enter__(self) -> trajectory:
         if self._token is not None:
             raise RuntimeError("this trajectory is already running; open a new otel_session.trajectory()")
-        parent, _ = session_ids()
+        parent, grandparent = session_ids()
         session = self._adopted if self._adopted is not None else new_session_id()
         reentered = session == parent
         if reentered:
-            parent = None  # adopting the enclosing session is re-entering it, not nesting
+            parent = grandparent  # re-entering the enclosing session: the same session, the same parent
         ctx = with_session(session, parent)
         # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
         visits = None if reentered else _session_end.new_visits()

@@ -629,6 +629,18 @@ def test_re_adopting_the_current_id_inside_a_nested_trajectory_is_not_nesting(dy
     assert dynamo.requests[0].get("x-dynamo-parent-session-id") is None
 
 
+def test_re_entering_a_nested_session_keeps_its_parent(dynamo: Recorder) -> None:
+    """The same session is the same session: re-entered, it still names the parent it was opened with."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with otel_session.trajectory() as outer, otel_session.trajectory() as inner:
+        httpx.get(f"{dynamo.url}/x").raise_for_status()
+        with otel_session.trajectory(session_id=inner.session_id) as again:
+            assert (again.session_id, again.parent_session_id) == (inner.session_id, outer.session_id)
+            httpx.get(f"{dynamo.url}/x").raise_for_status()
+    sent = [(r.get(SESSION_HEADER), r.get("x-dynamo-parent-session-id")) for r in dynamo.requests]
+    assert sent == [(inner.session_id, outer.session_id)] * 2
+
+
 # ---- what the attack on this version found ---------------------------------------------------------
 
 
