@@ -22,6 +22,7 @@ from otel_session import _carriers, _settings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, session_ids
 from otel_session._hosts import Route, canonical_origin
 from otel_session._policy import Edit, Offer, names_for, plan
+from otel_session._session_end import Visit
 
 
 class Hop(NamedTuple):
@@ -66,7 +67,6 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
 # is built for every request in a trajectory.
 Now = tuple[_settings.Settings, Context, Offer, bool]
 Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them
-Visit = tuple[str, str, str, "int | None"]  # (router profile, scheme family, host, port): see _session_end
 
 
 class Plan(NamedTuple):
@@ -99,11 +99,11 @@ class Plan(NamedTuple):
 
 
 # The last context seen, under the configuration then in force: (context, settings, what it offers
-# (``now``'s answer), the plans made from it so far by destination, or ``None`` twice where it
-# offers nothing). A ``Context`` is immutable, so
-# the same object always gives the same answers, and one trajectory's requests share one until
-# something attaches another: the usual request then costs two identity checks and one lookup.
-# Swapped whole, and its dict only ever gains whole entries, so thread-safe.
+# (``now``'s answer), the plans made from it so far by destination; ``None`` for both where it offers
+# nothing). A ``Context`` is immutable, so the same object always gives the same answers, and one
+# trajectory's requests share one until something attaches another: the usual request then costs
+# two identity checks and one lookup. Swapped whole, and its dict only ever gains or loses whole
+# entries, so thread-safe.
 _Memo = tuple["Context | None", "_settings.Settings | None", "Now | None", "dict[Destination, Plan] | None"]
 _memo: _Memo = (None, None, None, None)
 PLANS_KEPT = 64  # destinations remembered per context: a trajectory talks to a handful of hosts
