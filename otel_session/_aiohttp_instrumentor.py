@@ -29,6 +29,7 @@ async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
         return await wrapped(*args, **kwargs)
     headers = instance.headers
     prepared = None
+    edited = False
     saved = None
     token = None
     try:
@@ -40,13 +41,14 @@ async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
             sole = _propagator.is_sole_global()
             prepared = _hop.prepare(now, headers, url.scheme, url.raw_host, url.port, sole)
             if prepared.edits:
-                saved = _carriers.snapshot(headers)
+                saved = _carriers.snapshot(headers, prepared.held)
+                edited = True
                 _carriers.apply(headers, prepared.edits)
             if prepared.watched or not sole:
                 token = otel_context.attach(otel_context.set_value(HOP_KEY, prepared.hop))
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)
-        if saved is not None and prepared is not None:
+        if edited and prepared is not None:
             _carriers.restore(headers, saved, (name for name, _ in prepared.edits))
         return await wrapped(*args, **kwargs)
     try:
@@ -55,7 +57,7 @@ async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
         try:
             if token is not None:
                 otel_context.detach(token)
-            if saved is not None and prepared is not None:
+            if edited and prepared is not None:
                 _carriers.restore(headers, saved, (name for name, _ in prepared.edits))
         except Exception as exc:
             _faults.report("restoring request headers", exc)

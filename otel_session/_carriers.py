@@ -318,17 +318,23 @@ def apply(
             write(carrier, name, value, setter)
 
 
-def snapshot(carrier: Any) -> list[tuple[str, str]]:
-    """A multidict carrier's items now, in order and as spelled, for ``restore`` after one hop."""
-    return list(carrier.items())
+def snapshot(carrier: Any, held: frozenset[str]) -> list[tuple[str, str]] | None:
+    """A multidict carrier's items now, in order and as spelled, for ``restore`` after one hop; ``None``
+    where it holds none of the names the hop edits (``held`` empty): ours are then only added, and
+    taking them back is taking them away, with no copy of the rest."""
+    return list(carrier.items()) if held else None
 
 
-def restore(carrier: Any, saved: list[tuple[str, str]], names: Iterable[str]) -> None:
+def restore(carrier: Any, saved: list[tuple[str, str]] | None, names: Iterable[str]) -> None:
     """Put back a multidict carrier's ``snapshot`` for ``names`` (the headers we edited): the caller's
     own values in their places and spellings, ours gone. What the client added meanwhile under other
     names (aiohttp's ``Connection``, say) stays, after them.
     """
     ours = {name.lower() for name in names}
+    if saved is None:
+        for name in ours:
+            remove(carrier, name)
+        return
     added = list(carrier.items())
     for item in saved:
         if item[0].lower() not in ours and item in added:
