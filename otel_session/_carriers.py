@@ -30,7 +30,7 @@ _CASE_INSENSITIVE_TYPES = frozenset(
 _kinds: dict[type, int] = {}
 _LOWER_NAME = operator.itemgetter(1)  # of a fast ``Headers``' ``_list`` entry: the lower-case name
 # Fast ``Headers`` types whose instances hold ``_list`` and ``_encoding`` and nothing else: a copy of
-# one is made by setting those two (``_headers_with``).
+# one is made by setting those two (``_appended``).
 _two_attribute_types: set[type] = set()
 
 
@@ -203,22 +203,11 @@ def copy_request(request: Any, edits: list[tuple[str, str | None]], held: frozen
     return _copy(request, "headers", _headers_with(request.headers, edits, held))
 
 
-def request_for_transport(
-    request: Any, edits: list[tuple[str, str | None]], held: frozenset[str], entries: Entries | None = None
-) -> Any:
+def request_for_transport(request: Any, edits: list[tuple[str, str | None]], held: frozenset[str]) -> Any:
     """What a transport that reads only ``TRANSPORT_READS`` of a request (httpx's own: its
     instrumentor checks) sends in place of ``request``: those attributes, headers with ``edits`` of
-    their own (``entries``: the same edits as ``entries_for`` gives them, if known). The caller's
-    ``Request`` and its headers stay as they were.
-
-    Set directly, as few as that: unlike ``copy_request``, it never reads the caller's ``__dict__``,
-    which would make every later read of the caller's object slower too (measured: more than the copy).
-    """
-    clone = object.__new__(type(request))
-    clone.method, clone.url, clone.stream = request.method, request.url, request.stream
-    clone.extensions = request.extensions
-    clone.headers = _headers_with(request.headers, edits, held, entries)
-    return clone
+    their own. The caller's ``Request`` and its headers stay as they were."""
+    return _for_transport(request, _headers_with(request.headers, edits, held))
 
 
 TRANSPORT_READS = frozenset({"method", "url", "headers", "stream", "extensions"})
@@ -229,19 +218,31 @@ def stand_in(request: Any, names: frozenset[bytes], entries: Entries) -> Any | N
     (plan it in full) unless its headers are of the layout ``_layout_holds`` saw and hold none of
     ``names`` (as a fast ``Headers`` keeps names: ``names_to_find``'s second part)."""
     headers = request.headers
-    if type(headers) not in _two_attribute_types:
+    if type(headers) not in _two_attribute_types or not names.isdisjoint(map(_LOWER_NAME, headers._list)):
         return None
-    held = headers._list
-    if not names.isdisjoint(map(_LOWER_NAME, held)):
-        return None
-    copy = object.__new__(type(headers))
-    copy._list = held + entries
-    copy._encoding = headers._encoding
+    return _for_transport(request, _appended(headers, entries))
+
+
+def _for_transport(request: Any, headers: Any) -> Any:
+    """The stand-in itself: ``TRANSPORT_READS`` of ``request``, with ``headers``.
+
+    Set directly, as few as that: unlike ``copy_request``, it never reads the caller's ``__dict__``,
+    which would make every later read of the caller's object slower too (measured: more than the copy).
+    """
     clone = object.__new__(type(request))
     clone.method, clone.url, clone.stream = request.method, request.url, request.stream
     clone.extensions = request.extensions
-    clone.headers = copy
+    clone.headers = headers
     return clone
+
+
+def _appended(headers: Any, entries: Entries) -> Any:
+    """A copy of a fast ``Headers`` of the layout ``_layout_holds`` saw (two attributes, set
+    directly), ``entries`` appended to its list."""
+    copy = object.__new__(type(headers))
+    copy._list = headers._list + entries
+    copy._encoding = headers._encoding
+    return copy
 
 
 Entries = list[tuple[bytes, bytes, bytes]]  # header entries as a fast ``Headers`` keeps them in ``_list``
@@ -260,20 +261,13 @@ def entries_for(edits: list[tuple[str, str | None]]) -> Entries | None:
     return entries if len(entries) == len(edits) else None
 
 
-def _headers_with(
-    headers: Any, edits: list[tuple[str, str | None]], held: frozenset[str], entries: Entries | None = None
-) -> Any:
-    """A copy of ``headers`` with ``edits`` made (``entries``: as ``request_for_transport``)."""
+def _headers_with(headers: Any, edits: list[tuple[str, str | None]], held: frozenset[str]) -> Any:
+    """A copy of ``headers`` with ``edits`` made."""
     if not held and _kinds.get(type(headers)) == _ENTRIES:
-        if entries is None:
-            entries = entries_for(edits)
-        if entries is not None:
-            # The usual hop: new headers appended to a copy of the caller's list.
-            if type(headers) in _two_attribute_types:  # the layout _layout_holds saw: set directly
-                copy = object.__new__(type(headers))
-                copy._list = headers._list + entries
-                copy._encoding = headers._encoding
-                return copy
+        entries = entries_for(edits)
+        if entries is not None:  # the usual hop: new headers appended to a copy of the caller's list
+            if type(headers) in _two_attribute_types:
+                return _appended(headers, entries)
             return _copy(headers, "_list", headers._list + entries)
     copy = copy_headers(headers)
     apply(copy, edits, held=held)

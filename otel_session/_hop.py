@@ -123,11 +123,9 @@ def _remember(settings: _settings.Settings, ctx: Context) -> _Memo:
     return memo
 
 
-def now(ctx: Context | None = None) -> Now | None:
-    """What a request sent now (in ``ctx``, by default the current context) could carry; ``None``
-    when nothing at all (no configuration, or outside any trajectory with no baggage and tracing
-    off): the usual untraced request outside a trajectory learns that before its destination is
-    even read."""
+def _memo_now(ctx: Context | None) -> _Memo | None:
+    """``_memo`` for ``ctx`` (by default the current context) under the configuration in force,
+    made afresh if it was another's; ``None`` when nothing is configured."""
     settings = _settings.current
     if settings is None:
         return None
@@ -136,21 +134,24 @@ def now(ctx: Context | None = None) -> Now | None:
     memo = _memo
     if memo[0] is not ctx or memo[1] is not settings:
         memo = _remember(settings, ctx)
-    return memo[2]
+    return memo
+
+
+def now(ctx: Context | None = None) -> Now | None:
+    """What a request sent now (in ``ctx``, by default the current context) could carry; ``None``
+    when nothing at all (no configuration, or outside any trajectory with no baggage and tracing
+    off): the usual untraced request outside a trajectory learns that before its destination is
+    even read."""
+    memo = _memo_now(ctx)
+    return None if memo is None else memo[2]
 
 
 def plans_now() -> dict[Destination, Plan] | None:
     """The plans remembered for a request sent now from the current context, by destination (the
     express path: a hit, on a request holding none of its ``names``, is the whole answer); ``None``
     when nothing can be added at all, as for ``now``. A miss is planned by ``prepare``."""
-    settings = _settings.current
-    if settings is None:
-        return None
-    ctx = get_current()
-    memo = _memo
-    if memo[0] is not ctx or memo[1] is not settings:
-        memo = _remember(settings, ctx)
-    return memo[3]
+    memo = _memo_now(None)
+    return None if memo is None else memo[3]
 
 
 def prepare(
