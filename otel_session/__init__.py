@@ -6,6 +6,8 @@ with otel_session.trajectory() as traj:
     ...  # every httpx / openai / aiohttp request to Dynamo carries X-Dynamo-Session-ID
 """
 
+from typing import TYPE_CHECKING, Any
+
 from otel_session._carry import bind, resume, session_carrier
 from otel_session._config import configure, unconfigure
 from otel_session._context import current_session_id
@@ -13,8 +15,10 @@ from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
 from otel_session._propagator import SessionPropagator
 from otel_session._runtime_hosts import add_dynamo_hosts
 from otel_session._settings import Settings
-from otel_session._tracing import SessionSpanProcessor
 from otel_session._trajectory import trajectory
+
+if TYPE_CHECKING:
+    from otel_session._span_processor import SessionSpanProcessor
 
 __all__ = [
     "PARENT_SESSION_HEADER",
@@ -31,3 +35,13 @@ __all__ = [
     "trajectory",
     "unconfigure",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``SessionSpanProcessor`` on first use: it subclasses the OpenTelemetry SDK's ``SpanProcessor``,
+    and a process with tracing off never loads the SDK."""
+    if name == "SessionSpanProcessor":
+        from otel_session._span_processor import SessionSpanProcessor
+
+        return SessionSpanProcessor
+    raise AttributeError(f"module 'otel_session' has no attribute {name!r}")

@@ -19,10 +19,10 @@ to it, because a processor cannot be removed again (``unconfigure()`` could not 
 write session IDs into a pipeline that did not ask for them. One line does it for an application
 that wants them: ``provider.add_span_processor(SessionSpanProcessor())``.
 
-Export never slows or fails a request: spans are queued for a background thread, the OTLP exporter
-gives up after ``DEFAULT_EXPORT_TIMEOUT_S`` (unless ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` says
-otherwise), and shutdown, explicit or at process exit, drops what it cannot send within
-``SHUTDOWN_BUDGET_S``, so a collector that is down costs at most budget + one export timeout.
+The SDK itself is imported at the first tracing-on (``_export``, ``_span_processor``), not before: a
+process with tracing off never loads it. Its modules would make every request of that process dearer
+(more types and objects for the interpreter's caches and the garbage collector to get through:
+about 690 more memory cache misses per 30 httpx requests, measured with the caches cold).
 """
 
 from __future__ import annotations
@@ -30,40 +30,22 @@ from __future__ import annotations
 import atexit
 import importlib
 import importlib.util
-import os
 import threading
-import time
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
-from opentelemetry.context import Context
 
 from otel_session import _faults
-from otel_session._context import session_ids
 
-try:
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
-    _HAVE_SDK = True
-except ImportError:  # the [tracing] extra is not installed: everything but tracing still works
-    _HAVE_SDK = False
-    SpanProcessor = SpanExporter = object  # type: ignore[misc,assignment]
+    from otel_session._export import Outlet
 
-ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
-ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-ENV_TIMEOUT = "OTEL_EXPORTER_OTLP_TIMEOUT"
-ENV_TRACES_TIMEOUT = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"
 INSTALL_HINT = (
     "install the tracing extra: from a clone, pip install '.[tracing]' "
     "(once published, pip install 'otel-session[tracing]')"
 )
-SESSION_ATTRIBUTE = "session.id"
-# Seconds. The OTLP default (10 s) would let a dead collector hold up shutdown and process exit.
-DEFAULT_EXPORT_TIMEOUT_S = 2.0
-SHUTDOWN_BUDGET_S = 1.5
 
 _TRACER_NAME = "otel_session"
 _NOOP_TRACER = trace.NoOpTracer()
@@ -75,82 +57,9 @@ _INSTRUMENTORS = (
 )
 
 
-class SessionSpanProcessor(SpanProcessor):
-    """Puts ``session.id`` on every span started inside a trajectory, read from the context's baggage.
-
-    Client spans are started by instrumentations that know nothing of sessions; span start is the one
-    place that sees every span, each retry's included, with the trajectory's context.
-    """
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        try:
-            session, _ = session_ids(parent_context)
-            if session is not None:
-                span.set_attribute(SESSION_ATTRIBUTE, session)
-        except Exception as exc:  # a span without the attribute beats a failed request
-            _faults.report("adding session.id to a span", exc)
-
-
-class _DeadlineExporter(SpanExporter):
-    """Drops batches once shutdown's budget is spent, so exit never waits for a collector that is down.
-
-    The SDK's batch processor waits up to 30 s at shutdown and ignores its export timeout; this
-    bound needs only the public exporter interface.
-    """
-
-    def __init__(self, inner: SpanExporter) -> None:
-        self._inner = inner
-        self._deadline = float("inf")
-
-    def expire_in(self, seconds: float) -> None:
-        self._deadline = time.monotonic() + seconds
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if time.monotonic() >= self._deadline:
-            return SpanExportResult.FAILURE
-        return self._inner.export(spans)
-
-    def shutdown(self) -> None:
-        self._inner.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._inner.force_flush(timeout_millis)
-
-
-class _Outlet(SpanProcessor):
-    """Hands ended spans to the current export pipeline, or drops them while tracing is off.
-
-    The provider may be the global one, which cannot be replaced, so on/off swaps what is behind this.
-    """
-
-    def __init__(self) -> None:
-        self._pipeline: tuple[BatchSpanProcessor, _DeadlineExporter] | None = None
-
-    def connect(self, exporter: SpanExporter) -> None:
-        deadline_exporter = _DeadlineExporter(exporter)
-        self._pipeline = (BatchSpanProcessor(deadline_exporter), deadline_exporter)
-
-    def on_end(self, span: ReadableSpan) -> None:
-        pipeline = self._pipeline
-        if pipeline is not None:
-            pipeline[0].on_end(span)
-
-    def shutdown(self) -> None:
-        """Send what can be sent within ``SHUTDOWN_BUDGET_S``, then close the exporter."""
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            processor, exporter = pipeline
-            exporter.expire_in(SHUTDOWN_BUDGET_S)
-            processor.shutdown()  # type: ignore[no-untyped-call]
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        pipeline = self._pipeline
-        return True if pipeline is None else pipeline[0].force_flush(timeout_millis)
-
-
 _lock = threading.Lock()
 _provider: TracerProvider | None = None  # created at the first tracing-on, kept for the process
-_outlet: _Outlet | None = None
+_outlet: Outlet | None = None
 _tracer: trace.Tracer | None = None  # set only while tracing is on
 _owns_global = False
 _instrumented: list[Any] = []
@@ -197,11 +106,17 @@ def provider() -> TracerProvider | None:
 
 def _start() -> None:
     global _provider, _outlet, _tracer, _owns_global, _exit_hook_registered
-    if not _HAVE_SDK:
-        raise ImportError(f"otel-session tracing needs the OpenTelemetry SDK: {INSTALL_HINT}")
-    exporter = _otlp_exporter()
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from otel_session._export import Outlet, otlp_exporter
+        from otel_session._span_processor import SessionSpanProcessor
+    except ImportError as exc:
+        raise ImportError(f"otel-session tracing needs the OpenTelemetry SDK: {INSTALL_HINT}") from exc
+    exporter = otlp_exporter()
     if _provider is None or _outlet is None:
-        _outlet = _Outlet()
+        _outlet = Outlet()
         _provider = TracerProvider(resource=Resource.create(), shutdown_on_exit=False)
         _provider.add_span_processor(SessionSpanProcessor())
         _provider.add_span_processor(_outlet)
@@ -257,26 +172,6 @@ def _at_exit() -> None:
     with _lock:
         if _tracer is not None:
             _stop()
-
-
-def _otlp_exporter() -> SpanExporter:
-    """The OTLP exporter the standard variables ask for (default ``http/protobuf``, as the spec says)."""
-    variable = ENV_TRACES_PROTOCOL if os.environ.get(ENV_TRACES_PROTOCOL) else ENV_PROTOCOL
-    raw = os.environ.get(variable) or "http/protobuf"
-    protocol = raw.strip().lower()
-    if protocol == "grpc":
-        module = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
-    elif protocol == "http/protobuf":
-        module = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
-    else:
-        raise ValueError(f"{variable}={raw!r}: otel-session exports traces over 'grpc' or 'http/protobuf'")
-    try:
-        exporter_class = importlib.import_module(module).OTLPSpanExporter
-    except ImportError as exc:
-        raise ImportError(f"otel-session tracing over {protocol} needs {module}: {INSTALL_HINT}") from exc
-    timeout_set = os.environ.get(ENV_TRACES_TIMEOUT) or os.environ.get(ENV_TIMEOUT)
-    exporter: SpanExporter = exporter_class(timeout=None if timeout_set else DEFAULT_EXPORT_TIMEOUT_S)
-    return exporter
 
 
 def _instrument_clients(tracer_provider: TracerProvider) -> list[Any]:

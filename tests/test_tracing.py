@@ -276,6 +276,7 @@ OFF_SCRIPT = """
             "recording": traj.span.is_recording(),
             "valid": traj.span.get_span_context().is_valid,
             "provider": type(trace.get_tracer_provider()).__name__,
+            "sdk": sorted(name for name in sys.modules if name.startswith("opentelemetry.sdk")),
         }
 
     otel_session.configure(dynamo_hosts=[dynamo], trusted_hosts=[trusted])
@@ -298,6 +299,8 @@ def test_tracing_off_installs_no_sdk_and_sends_no_traceparent(
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["off"]["provider"] == "ProxyTracerProvider"
+    assert report["off"]["sdk"] == []  # not even imported: a process with tracing off never loads it
+    assert "opentelemetry.sdk.trace" in report["off-again"]["sdk"]
     # After on -> off the global provider is our idle SDK one, and trajectories still get no valid span.
     assert report["off-again"]["provider"] == "TracerProvider"
     assert report["app-span-valid"] is False  # the application's tracer on it has gone quiet too
@@ -363,6 +366,51 @@ def test_application_provider_records_our_spans_with_tracing_off(
     assert other.headers("traceparent") == [None]
 
 
+APP_PROCESSOR_SCRIPT = """
+    import json, sys, httpx, otel_session
+    otel_session.configure(dynamo_hosts=[sys.argv[1]])
+    loaded_before = "opentelemetry.sdk" in sys.modules
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(otel_session.SessionSpanProcessor())  # the README's one line
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    HTTPXClientInstrumentor().instrument(tracer_provider=provider)
+    with httpx.Client() as client:
+        with otel_session.trajectory() as traj:
+            client.get(f"http://{sys.argv[1]}/in")
+        client.get(f"http://{sys.argv[1]}/out")
+    print(json.dumps({
+        "loaded_before": loaded_before,
+        "session": traj.session_id,
+        "spans": [
+            {"name": s.name, "session": s.attributes.get("session.id")} for s in exporter.get_finished_spans()
+        ],
+    }))
+"""
+
+
+def test_session_span_processor_on_an_application_provider(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    """``otel_session.SessionSpanProcessor`` (loaded on first use, with the SDK) labels the client
+    spans of the application's own provider inside a trajectory, and only those."""
+    result = _run(tmp_path, APP_PROCESSOR_SCRIPT, {}, servers[0].authority)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["loaded_before"] is False
+    sid = report["session"]
+    # finished in order: the client span inside, the trajectory span, the client span outside
+    assert [span["session"] for span in report["spans"]] == [sid, sid, None], report
+    assert [span["name"] for span in report["spans"]][1] == "trajectory"
+
+
 def test_missing_sdk_is_a_clear_import_error_and_changes_nothing(tmp_path: Path) -> None:
     source = """
         import sys
@@ -376,10 +424,12 @@ def test_missing_sdk_is_a_clear_import_error_and_changes_nothing(tmp_path: Path)
         print(_settings.current)
         otel_session.configure(dynamo_hosts=["dynamo:8000"])
         print(_settings.current.tracing)
+        print(otel_session.SessionSpanProcessor().on_start.__name__)  # still a class to name
     """
     result = _run(tmp_path, source, {})
     assert result.returncode == 0, result.stderr
-    error, active, tracing = result.stdout.strip().splitlines()
+    error, active, tracing, processor = result.stdout.strip().splitlines()
+    assert processor == "on_start"
     assert "pip install 'otel-session[tracing]'" in error
     assert active == "None"
     assert tracing == "False"
