@@ -37,11 +37,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """``SessionSpanProcessor`` on first use: it subclasses the OpenTelemetry SDK's ``SpanProcessor``,
-    and a process with tracing off never loads the SDK."""
-    if name == "SessionSpanProcessor":
-        from otel_session._span_processor import SessionSpanProcessor
+if not TYPE_CHECKING:  # for type checkers the name is imported above, and no other name is made up
 
-        return SessionSpanProcessor
-    raise AttributeError(f"module 'otel_session' has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        """``SessionSpanProcessor`` on first use: it subclasses the OpenTelemetry SDK's
+        ``SpanProcessor``, and a process with tracing off never loads the SDK."""
+        if name == "SessionSpanProcessor":
+            from otel_session import _span_processor
+
+            return _span_processor.SessionSpanProcessor
+        raise AttributeError(f"module 'otel_session' has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

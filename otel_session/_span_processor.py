@@ -2,25 +2,21 @@
 
 A module of its own because it subclasses the OpenTelemetry SDK's ``SpanProcessor``: it is imported
 when tracing turns on, or when an application asks ``otel_session`` for the class, never by a process
-with tracing off. Without the SDK it is a plain class with the same ``on_start``.
+with tracing off. Without the SDK it is a plain class with the same ``on_start``, for code that names it;
+``sdk_based()`` tells the two apart (the SDK may be installed later in the same process).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from opentelemetry.context import Context
 
 from otel_session import _faults
 from otel_session._context import session_ids
 
-if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import Span
-
 try:
-    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace import Span, SpanProcessor
 except ImportError:  # the [tracing] extra is not installed: the class still exists, for code naming it
-    SpanProcessor = object  # type: ignore[misc,assignment]
+    Span = SpanProcessor = object  # type: ignore[misc,assignment]
 
 SESSION_ATTRIBUTE = "session.id"
 
@@ -39,3 +35,9 @@ class SessionSpanProcessor(SpanProcessor):
                 span.set_attribute(SESSION_ATTRIBUTE, session)
         except Exception as exc:  # a span without the attribute beats a failed request
             _faults.report("adding session.id to a span", exc)
+
+
+def sdk_based() -> bool:
+    """Whether ``SessionSpanProcessor`` is the SDK's kind of processor, not the stand-in made while the
+    SDK could not be imported."""
+    return SpanProcessor is not object

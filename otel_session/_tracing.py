@@ -110,10 +110,14 @@ def _start() -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
+        from otel_session import _span_processor
         from otel_session._export import Outlet, otlp_exporter
-        from otel_session._span_processor import SessionSpanProcessor
+
+        if not _span_processor.sdk_based():  # made while the SDK was missing, which is installed now
+            importlib.reload(_span_processor)
     except ImportError as exc:
         raise ImportError(f"otel-session tracing needs the OpenTelemetry SDK: {INSTALL_HINT}") from exc
+    SessionSpanProcessor = _span_processor.SessionSpanProcessor
     exporter = otlp_exporter()
     if _provider is None or _outlet is None:
         _outlet = Outlet()

@@ -379,6 +379,8 @@ APP_PROCESSOR_SCRIPT = """
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(otel_session.SessionSpanProcessor())  # the README's one line
+    import typing
+    typing.get_type_hints(otel_session.SessionSpanProcessor.on_start)  # its annotations resolve
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     HTTPXClientInstrumentor().instrument(tracer_provider=provider)
@@ -433,6 +435,69 @@ def test_missing_sdk_is_a_clear_import_error_and_changes_nothing(tmp_path: Path)
     assert "pip install 'otel-session[tracing]'" in error
     assert active == "None"
     assert tracing == "False"
+
+
+SDK_LATER_SCRIPT = """
+    import json, sys, httpx, otel_session
+    sys.modules["opentelemetry.sdk"] = None  # not installed yet
+    from otel_session import *  # noqa: F403  (names SessionSpanProcessor: its SDK-less stand-in)
+    stand_in = otel_session.SessionSpanProcessor
+    try:
+        otel_session.configure(dynamo_hosts=[sys.argv[1]], tracing=True)
+    except ImportError:
+        pass
+    del sys.modules["opentelemetry.sdk"]  # installed since, in the same process (a notebook's pip)
+    otel_session.configure(dynamo_hosts=[sys.argv[1]], tracing=True)
+    with otel_session.trajectory() as traj:
+        status = httpx.get(f"http://{sys.argv[1]}/later").status_code
+        recording = traj.span.is_recording()
+    from opentelemetry.sdk.trace import SpanProcessor
+    print(json.dumps({
+        "status": status,
+        "recording": recording,
+        "stand_in_was_sdk": issubclass(stand_in, SpanProcessor),
+        "now_sdk": issubclass(otel_session.SessionSpanProcessor, SpanProcessor),
+    }))
+"""
+
+
+def test_sdk_installed_after_the_processor_was_named_still_traces(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    """The SDK-less stand-in of ``SessionSpanProcessor`` is never put on a provider: once the SDK can
+    be imported, tracing turns on with the real processor and requests go through."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    result = _run(tmp_path, SDK_LATER_SCRIPT, env, servers[0].authority)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    report = json.loads(result.stdout)
+    assert report == {"status": 200, "recording": True, "stand_in_was_sdk": False, "now_sdk": True}
+    assert servers[0].headers("x-dynamo-session-id") != [None]
+
+
+def test_type_checkers_still_see_every_name_of_the_package(tmp_path: Path) -> None:
+    """The lazy ``SessionSpanProcessor`` (a module ``__getattr__``) must not make every misspelt name
+    of ``otel_session`` pass ``mypy --strict`` as ``Any``."""
+    user = tmp_path / "user.py"
+    user.write_text(
+        textwrap.dedent("""
+            import otel_session
+            from otel_session import SessionSpanProcessor
+            processor: SessionSpanProcessor = otel_session.SessionSpanProcessor()
+            otel_session.configur(dynamo_hosts=["dynamo:8000"])
+        """)
+    )
+    package_root = Path(otel_session.__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(user)],
+        env={**os.environ, "MYPYPATH": str(package_root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert 'Module has no attribute "configur"' in result.stdout, result.stdout
+    assert result.stdout.count("error:") == 1, result.stdout
 
 
 def test_missing_exporter_or_bad_protocol_keeps_the_previous_configuration(
