@@ -12,6 +12,7 @@ from opentelemetry.context import Context, create_key
 from otel_session._ids import is_valid_session_id
 
 SESSION_KEY = "session.id"
+SESSION_ATTRIBUTE = "session.id"  # on spans, as OpenTelemetry's semantic conventions name it
 PARENT_KEY = "session.parent_id"
 
 # Set by the client instrumentors for the length of one hop: ``Hop`` (the destination's route and the

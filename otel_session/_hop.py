@@ -172,11 +172,13 @@ def prepare(
         if known is not None and known.fits(headers, callers_only):
             return known.taken()
     route = settings.rules.route(scheme, host, port)
-    names: tuple[str, ...] = ()
+    # Every name the policy reads for this route, even where it reads none now: a request to a
+    # route-less host may still hold a stock propagator's copies, which the remembered answer for
+    # callers_only=False takes back.
+    names = names_for(route)
     held: dict[str, str] = {}
     edits: list[Edit] = []
     if route or not callers_only:  # else: nothing to add, nothing to take back
-        names = names_for(route)
         held = _carriers.read(headers, names)
         edits = plan(route, offer, held, callers_only=callers_only)
     added = frozenset(name.lower() for name, value in edits if value is not None)
@@ -187,10 +189,8 @@ def prepare(
     if not held and plans is not None:
         if len(plans) >= PLANS_KEPT:
             plans.clear()
-        # names_for(route), not just those read: a request to a route-less host may still hold a
-        # stock propagator's copies, which the answer for callers_only=False takes back
         plans[destination] = Plan(
-            _carriers.names_to_find(names_for(route)), prepared, _carriers.entries_for(edits), note, not route
+            _carriers.names_to_find(names), prepared, _carriers.entries_for(edits), note, not route
         )
     return prepared
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 from opentelemetry.context import Context
 
 from otel_session import _faults
-from otel_session._context import session_ids
+from otel_session._context import SESSION_ATTRIBUTE, session_ids
 
 try:
     from opentelemetry.sdk.trace import Span, SpanProcessor
 except ImportError:  # the [tracing] extra is not installed: the class still exists, for code naming it
     Span = SpanProcessor = object  # type: ignore[misc,assignment]
-
-SESSION_ATTRIBUTE = "session.id"
 
 
 class SessionSpanProcessor(SpanProcessor):

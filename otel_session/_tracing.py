@@ -117,12 +117,11 @@ def _start() -> None:
             importlib.reload(_span_processor)
     except ImportError as exc:
         raise ImportError(f"otel-session tracing needs the OpenTelemetry SDK: {INSTALL_HINT}") from exc
-    SessionSpanProcessor = _span_processor.SessionSpanProcessor
     exporter = otlp_exporter()
     if _provider is None or _outlet is None:
         _outlet = Outlet()
         _provider = TracerProvider(resource=Resource.create(), shutdown_on_exit=False)
-        _provider.add_span_processor(SessionSpanProcessor())
+        _provider.add_span_processor(_span_processor.SessionSpanProcessor())
         _provider.add_span_processor(_outlet)
         if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
             trace.set_tracer_provider(_provider)

@@ -21,7 +21,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from otel_session import _session_end, _tracing
-from otel_session._context import ROUTER_VISITS_KEY, session_ids, with_session
+from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -87,7 +87,7 @@ class trajectory:
         visits = None if reentered else _session_end.new_visits()
         if visits is not None:
             ctx = otel_context.set_value(ROUTER_VISITS_KEY, visits, ctx)
-        attributes = {"session.id": session, "gen_ai.conversation.id": session, **self._attributes}
+        attributes = {SESSION_ATTRIBUTE: session, "gen_ai.conversation.id": session, **self._attributes}
         if parent is not None:
             attributes["otel_session.parent_session_id"] = parent
         span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
