@@ -47,9 +47,7 @@ _BUILD = "build_middleware_stack"
 
 def servers_setting(servers: bool | None, default: bool = False) -> bool:
     """``servers`` as given, else ``OTEL_SESSION_SERVERS`` (``ValueError`` naming it when malformed)."""
-    if servers is not None:
-        return bool(servers)
-    return _settings.parse_bool_env(ENV_SERVERS, default)
+    return _settings.flag("servers", servers, ENV_SERVERS, default)
 
 
 @dataclass(frozen=True)

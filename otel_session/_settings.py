@@ -52,6 +52,22 @@ def parse_bool_env(name: str, default: bool = False) -> bool:
     return parse_bool(name, os.environ.get(name), default)
 
 
+def flag(argument: str, value: object, env: str, default: bool = False) -> bool:
+    """A switch passed to ``configure()``: ``True``/``False``, or a string spelled as its variable
+    accepts (an application passing on a config file's ``"false"`` must not switch a feature on, as
+    ``bool("false")`` would); ``None`` reads the variable ``env``; 0 and 1 as the booleans they
+    spell. Anything else is a ``TypeError``."""
+    if value is None:
+        return parse_bool_env(env, default)
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        return parse_bool(argument, value, default)
+    raise TypeError(f"{argument} must be True, False or None, not {value!r}")
+
+
 def _patterns(value: Patterns | None, env: str) -> tuple[HostPattern, ...]:
     if value is None:
         try:
@@ -105,11 +121,11 @@ def build_settings(
     """Settings from arguments, each missing one read from its ``OTEL_SESSION_*`` variable."""
     routes = _routes(dynamo_hosts, routers)
     trusted = _patterns(trusted_hosts, ENV_TRUSTED_HOSTS)
-    if tracing is None:
-        tracing = parse_bool_env(ENV_TRACING)
-    if end_sessions is None:
-        end_sessions = parse_bool_env(ENV_END_SESSIONS)
-    return Settings(HostRules(routes, trusted), bool(tracing), bool(end_sessions))
+    return Settings(
+        HostRules(routes, trusted),
+        flag("tracing", tracing, ENV_TRACING),
+        flag("end_sessions", end_sessions, ENV_END_SESSIONS),
+    )
 
 
 # The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``.

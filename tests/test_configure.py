@@ -41,6 +41,43 @@ def test_a_bad_tracing_value_names_the_variable(monkeypatch: pytest.MonkeyPatch)
         otel_session.configure(dynamo_hosts=["d"])
 
 
+@pytest.mark.parametrize("argument", ["tracing", "end_sessions", "servers"])
+@pytest.mark.parametrize("word", ["false", "off", "0", "No"])
+def test_a_switch_passed_as_a_word_means_what_it_says(argument: str, word: str, dynamo: Recorder) -> None:
+    """An application passing on a config file's "false" must not switch the feature on (``bool()``
+    of any non-empty string is True: tracing started and every Dynamo request got a traceparent)."""
+    settings = otel_session.configure(dynamo_hosts=[dynamo.authority], **{argument: word})
+    assert settings.tracing is settings.end_sessions is False
+    with otel_session.trajectory() as traj:
+        assert not traj.span.get_span_context().is_valid
+        httpx.get(dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+    assert dynamo.requests[-1].get("traceparent") is None
+    assert otel_session.configure(dynamo_hosts=[dynamo.authority], end_sessions="on").end_sessions is True
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "error"),
+    [
+        ("tracing", "maybe", ValueError),
+        ("tracing", 2, TypeError),
+        ("end_sessions", [True], TypeError),
+        ("servers", 0.0, TypeError),
+        ("servers", "enabled", ValueError),
+    ],
+)
+def test_a_switch_that_is_not_a_boolean_names_itself_and_changes_nothing(
+    argument: str, value: object, error: type[Exception], dynamo: Recorder
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with pytest.raises(error, match=argument) as raised:
+        otel_session.configure(dynamo_hosts=["elsewhere:1"], **{argument: value})
+    assert "\n" not in str(raised.value)
+    with otel_session.trajectory() as traj:
+        httpx.get(dynamo.url)
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
 def test_a_malformed_pattern_names_itself_and_changes_nothing(dynamo: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     with pytest.raises(ValueError, match=r"'dynamo:http'"):
