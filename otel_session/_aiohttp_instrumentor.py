@@ -24,9 +24,23 @@ from otel_session._context import HOP_KEY
 from otel_session._instrumentor import SessionInstrumentor, Wrapper
 
 
-async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if not _INSTRUMENTOR.active or instance.method == "CONNECT":
-        return await wrapped(*args, **kwargs)
+def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientRequest.send``: as it is (no coroutine of ours) where the context offers nothing,
+    the usual request outside a trajectory; else through ``_hop_send``."""
+    if _INSTRUMENTOR.active and instance.method != "CONNECT":
+        try:
+            offered = _hop.now() is not None
+        except Exception as exc:  # a bug of ours must not fail the request
+            _faults.report("adding session headers to a request", exc)
+            offered = False
+        if offered:
+            return _hop_send(wrapped, instance, args, kwargs)
+    return wrapped(*args, **kwargs)
+
+
+async def _hop_send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One hop: planned and edited when the send starts (not when it is called), taken back when
+    it returns, so a coroutine never awaited leaves the request as it was."""
     headers = instance.headers
     prepared = None
     edited = False
@@ -43,9 +57,10 @@ async def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict
             if prepared.edits:
                 saved = _carriers.snapshot(headers, prepared.held)
                 edited = True
-                _carriers.apply(headers, prepared.edits)
+                _carriers.apply(headers, prepared.edits, held=prepared.held)
             if prepared.watched or not sole:
-                token = otel_context.attach(otel_context.set_value(HOP_KEY, prepared.hop))
+                hop = prepared.hop._replace(carrier=headers)  # for these headers only
+                token = otel_context.attach(otel_context.set_value(HOP_KEY, hop))
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)
         if edited and prepared is not None:

@@ -5,8 +5,10 @@ mappings (multidict's ``CIMultiDict``, requests' ``CaseInsensitiveDict``), and h
 ``Headers``. Every public lookup in an httpx ``Headers`` first decodes every header to find its
 encoding, about a microsecond each, and this runs on every request; so for a ``Headers`` type whose
 instances are checked once to keep ``_list`` exactly as expected ((raw name, lower-case name, value)
-byte triples) the fast adapter reads and edits ``_list`` itself. Any other layout, or any surprise,
-falls back to the public API.
+byte triples) the fast adapter reads and edits ``_list`` itself. A ``CIMultiDict`` (aiohttp's
+headers) checked once to compare names ignoring case in its keys view, and to add and pop headers,
+is asked "any of these names?" in one C call and edited with ``add``/``popall``, no scan in Python.
+Any other layout, or any surprise, falls back to the public API.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from opentelemetry.propagators.textmap import Setter
 
-_PLAIN, _CASE_INSENSITIVE, _ENTRIES = 0, 1, 2
+_PLAIN, _CASE_INSENSITIVE, _ENTRIES, _MULTIDICT = 0, 1, 2, 3
 _CASE_INSENSITIVE_TYPES = frozenset(
     {
         ("httpx", "Headers"),
@@ -55,6 +57,21 @@ def _layout_holds(kind: type) -> tuple[bool, bool]:
         return False, False
 
 
+def _multidict_holds(kind: type) -> bool:
+    """Whether ``kind``'s instances compare names ignoring case in their keys view, and add and pop
+    headers as ``CIMultiDict`` does (multidict 6.1 and later; older ones compare keys as spelled)."""
+    try:
+        probe = kind([("X-Probe", "1"), ("Other", "2")])
+        keys = probe.keys()
+        folds = not keys.isdisjoint(("x-probe", "absent")) and keys.isdisjoint(("x-absent",))
+        probe.add("New", "3")
+        probe.add("new", "4")
+        probe.popall("NEW", None)
+        return bool(folds and list(probe.items()) == [("X-Probe", "1"), ("Other", "2")])
+    except Exception:
+        return False
+
+
 def kind_of(carrier: Any) -> int:
     """How to treat ``carrier``, decided once per type (exact type, by module and name)."""
     kind = type(carrier)
@@ -69,6 +86,8 @@ def kind_of(carrier: Any) -> int:
                 found = _ENTRIES if holds else _CASE_INSENSITIVE
                 if two_attributes:
                     _two_attribute_types.add(kind)
+            elif kind.__qualname__ == "CIMultiDict" and _multidict_holds(kind):
+                found = _MULTIDICT
         if len(_kinds) < 64:  # carrier types are few; bounded all the same
             _kinds[kind] = found
     return found
@@ -104,11 +123,17 @@ def read(carrier: Any, names: tuple[str, ...]) -> dict[str, str]:
                 if isinstance(value, str):
                     held[name] = value.partition(",")[0] if name != "baggage" else value
         return held
+    if how == _MULTIDICT and carrier.keys().isdisjoint(names):
+        return held  # as for a fast ``Headers``: none of them, in one C call
     wanted = set(names)
-    if how == _CASE_INSENSITIVE:
+    if how in (_CASE_INSENSITIVE, _MULTIDICT):
+        getall = getattr(carrier, "getall", None)
         for name in wanted:
             if name in carrier:
-                value = carrier.get(name)
+                if name == "baggage" and callable(getall):  # a list header: every line of it
+                    value = ",".join(line for line in getall(name) if isinstance(line, str))
+                else:
+                    value = carrier.get(name)
                 if isinstance(value, str):
                     held[name] = value
         return held
@@ -146,8 +171,11 @@ def holds_any(carrier: Any, names: Names) -> bool:
     none of ours, and a fast ``Headers`` answers that without a Python loop over its headers."""
     if not names[0]:
         return False
-    if _kinds.get(type(carrier)) == _ENTRIES:
+    how = _kinds.get(type(carrier))
+    if how == _ENTRIES:
         return not names[1].isdisjoint(map(_LOWER_NAME, carrier._list))
+    if how == _MULTIDICT:
+        return not carrier.keys().isdisjoint(names[0])
     return bool(read(carrier, names[0]))
 
 
@@ -160,6 +188,9 @@ def remove(carrier: Any, name: str) -> None:
     if how == _ENTRIES:
         encoded = lower.encode("latin-1")
         carrier._list[:] = [entry for entry in carrier._list if entry[1] != encoded]
+        return
+    if how == _MULTIDICT:
+        carrier.popall(name, None)
         return
     if how == _CASE_INSENSITIVE:
         popall = getattr(carrier, "popall", None)
@@ -300,13 +331,15 @@ def apply(
     """Make ``edits`` (``(name, value)`` to set, ``(name, None)`` to take away) on ``carrier``.
 
     ``held``: the lower-case names the carrier was just read to hold, if known; any other is absent,
-    so a fast ``Headers`` appends it without looking for an old value first.
+    so a fast ``Headers`` or a ``CIMultiDict`` adds it without looking for an old value first.
     """
-    fast = held is not None and setter is None and _kinds.get(type(carrier)) == _ENTRIES
+    how = _kinds.get(type(carrier)) if held is not None and setter is None else None
     for name, value in edits:
         if value is None:
             remove(carrier, name)
-        elif fast and name.lower() not in held and value.isascii():  # type: ignore[operator]
+        elif how == _MULTIDICT and name.lower() not in held:  # type: ignore[operator]
+            carrier.add(name, value)
+        elif how == _ENTRIES and name.lower() not in held and value.isascii():  # type: ignore[operator]
             carrier._list.append((name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii")))
         else:
             write(carrier, name, value, setter)
@@ -324,11 +357,11 @@ def restore(carrier: Any, saved: list[tuple[str, str]] | None, names: Iterable[s
     own values in their places and spellings, ours gone. What the client added meanwhile under other
     names (aiohttp's ``Connection``, say) stays, after them.
     """
-    ours = {name.lower() for name in names}
     if saved is None:
-        for name in ours:
+        for name in names:
             remove(carrier, name)
         return
+    ours = {name.lower() for name in names}
     added = list(carrier.items())
     for item in saved:
         if item[0].lower() not in ours and item in added:

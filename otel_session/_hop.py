@@ -26,16 +26,20 @@ from otel_session._session_end import Visit
 
 
 class Hop(NamedTuple):
-    """What the propagator needs to know about the hop in progress: its route, and what we added.
+    """What the propagator needs to know about the hop in progress: its route, what we added, and
+    the headers it is for.
 
-    ``authority``: the hop's own ``Host`` header, where it has one. A carrier that shows another
-    (a request some other client sends from inside this hop, a transport's audit call, say) is not
-    this hop's, and gets nothing: the check can only ever withhold, never grant.
+    ``carrier``: the hop's own headers object, where an instrumentor binds the hop to them before
+    putting it in the context. Everything run in that context sees the hop: a client's trace
+    callbacks, and the task a client starts to stream the body, which keeps a copy of the context
+    after the hop is over. A request sent from there (an audit call, a body read from another host)
+    injects into a carrier of its own, which is not this hop's and gets nothing: the check can only
+    ever withhold, never grant.
     """
 
     route: Route
     added: frozenset[str]
-    authority: str | None = None
+    carrier: object | None = None
 
 
 class Prepared(NamedTuple):

@@ -50,7 +50,7 @@ class SessionPropagator(TextMapPropagator):
             hop = ctx.get(HOP_KEY)
             if not isinstance(hop, _hop.Hop):
                 return  # no destination known: nothing added, nothing taken
-            if hop.authority is not None and _carriers.read(carrier, ("host",)).get("host") != hop.authority:
+            if hop.carrier is not None and carrier is not hop.carrier:
                 return  # another request, sent from inside the hop: its destination is unknown
             current = _hop.now(ctx)
             # None: unconfigured (the propagator used on its own), or nothing offered with tracing off

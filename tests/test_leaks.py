@@ -28,6 +28,7 @@ from aiohttp import web
 from opentelemetry import baggage, propagate
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.instrumentation.aiohttp_client import AioHttpClientInstrumentor
 from opentelemetry.instrumentation.httpx import HTTPX2ClientInstrumentor, HTTPXClientInstrumentor
 from opentelemetry.instrumentation.requests import RequestsInstrumentor
 from opentelemetry.propagators.composite import CompositePropagator
@@ -529,6 +530,31 @@ async def test_a_callers_baggage_to_a_trusted_host_is_merged(kind: str, gym: Rec
     assert gym.requests[-1].get("baggage") == f"tenant=acme,session.id={traj.session_id}"
 
 
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
+@pytest.mark.parametrize("second", ["region=eu", "session.id=callers-own"])
+async def test_a_callers_baggage_over_two_lines_is_read_whole(
+    client: str, second: str, gym: Recorder
+) -> None:
+    """A list header may come as several lines. aiohttp's hop read only the first and wrote the merge
+    over both: the caller's second line was lost, and with it the caller's own session.id."""
+    otel_session.configure(dynamo_hosts=["dynamo.invalid"], trusted_hosts=[gym.authority])
+    lines = [("baggage", "tenant=acme"), ("baggage", second)]
+    with otel_session.trajectory() as traj:
+        if client == "httpx":
+            async with httpx.AsyncClient() as http:
+                (await http.get(f"{gym.url}/x", headers=lines)).raise_for_status()
+        else:
+            url = f"{gym.url}/x"
+            async with aiohttp.ClientSession() as session, session.get(url, headers=lines) as response:
+                response.raise_for_status()
+    received = ",".join(value for name, value in gym.requests[-1].headers if name.lower() == "baggage")
+    members = {member.strip() for member in received.split(",")}
+    expected = {"tenant=acme", second}
+    if second == "region=eu":
+        expected.add(f"session.id={traj.session_id}")
+    assert members == expected, received
+
+
 @pytest.mark.parametrize("kind", ["httpx", "httpx-async", "aiohttp"])
 async def test_a_callers_traceparent_to_dynamo_is_kept_with_tracing_on(kind: str, dynamo: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
@@ -738,6 +764,65 @@ def test_a_request_sent_from_inside_a_hop_is_not_that_hops(
     assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
     [audit] = other.requests
     assert not audit.names() & OURS, audit.headers
+
+
+@pytest.mark.parametrize("inner", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("where", ["streamed body", "trace callback"])
+@pytest.mark.parametrize("propagators", ["tracing on", "stock composed with ours"])
+async def test_a_request_sent_from_inside_an_aiohttp_hop_is_not_that_hops(
+    inner: str,
+    where: str,
+    propagators: str,
+    dynamo: Recorder,
+    other: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aiohttp runs its trace callbacks in the hop's context, and the task streaming a body keeps a
+    copy of it: a request sent from there, injected by an upstream instrumentation through our
+    propagator, went out with the hop's session header (and traceparent) to another host."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    composed = propagators == "stock composed with ours"
+    if composed:
+        AioHttpClientInstrumentor().instrument()
+        HTTPXClientInstrumentor().instrument()
+        otel_session.configure(dynamo_hosts=[dynamo.authority])
+        propagate.set_global_textmap(
+            CompositePropagator(
+                [TraceContextTextMapPropagator(), W3CBaggagePropagator(), otel_session.SessionPropagator()]
+            )
+        )
+    else:
+        otel_session.configure(dynamo_hosts=[dynamo.authority], tracing=True)
+    try:
+        async with aiohttp.ClientSession() as fetcher, httpx.AsyncClient() as client:
+
+            async def fetch(path: str) -> bytes:
+                if inner == "httpx":
+                    return (await client.get(f"{other.url}{path}")).content
+                async with fetcher.get(f"{other.url}{path}") as response:
+                    return await response.read()
+
+            async def on_headers_sent(*_: Any) -> None:  # an application's audit hook, say
+                await fetch("/audit")
+
+            async def body() -> Any:  # an upload whose bytes come from another host
+                yield await fetch("/chunk")
+
+            audit = aiohttp.TraceConfig()
+            if where == "trace callback":
+                audit.on_request_headers_sent.append(on_headers_sent)
+            async with aiohttp.ClientSession(trace_configs=[audit]) as session:
+                with otel_session.trajectory() as traj:
+                    data = body() if where == "streamed body" else b"payload"
+                    async with session.post(f"{dynamo.url}/v1/upload", data=data) as response:
+                        await response.read()
+    finally:
+        if composed:
+            AioHttpClientInstrumentor().uninstrument()
+            HTTPXClientInstrumentor().uninstrument()
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+    [sent_from_inside] = other.requests
+    assert not sent_from_inside.names() & OURS, sent_from_inside.headers
 
 
 def test_an_end_of_session_notice_never_follows_a_redirect(other: Recorder) -> None:
