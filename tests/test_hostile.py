@@ -38,7 +38,7 @@ import pytest
 import yarl
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from multidict import CIMultiDict
+from multidict import CIMultiDict, MultiDict
 from opentelemetry import baggage, propagate
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -409,6 +409,7 @@ def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
     the copy leaves the caller's headers exactly as they were.
     """
     assert _carriers.kind_of(httpx.Headers()) == _carriers.kind_of(httpx2.Headers()) == _carriers._ENTRIES
+    assert _carriers.kind_of(CIMultiDict()) == _carriers._MULTIDICT
 
     @MANY
     @given(
@@ -439,7 +440,7 @@ def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
             assert list(header_multiset(carrier).elements()) == before  # the caller's, untouched
         else:
             copy = None
-        _carriers.apply(carrier, edits)
+        _carriers.apply(carrier, edits, held=frozenset(held))  # as a hop does, having just read it
         apply_publicly(reference, edits)
         assert header_multiset(carrier) == header_multiset(reference), (pairs, edits)
         if copy is not None:
@@ -519,12 +520,22 @@ def test_snapshot_and_restore_put_a_multidict_back_exactly() -> None:
         edits = plan(route, offer, held, callers_only=callers_only)
         saved = _carriers.snapshot(headers, frozenset(held))
         assert (saved is None) == (not held)
-        _carriers.apply(headers, edits)
+        _carriers.apply(headers, edits, held=frozenset(held))
         headers.add("Connection", "keep-alive")  # what aiohttp's send adds meanwhile stays, after them
         _carriers.restore(headers, saved, [name for name, _ in edits])
         assert list(headers.items()) == [*pairs, ("Connection", "keep-alive")], edits
 
     check()
+
+
+def test_a_multidict_whose_keys_view_compares_names_as_spelled_is_read_name_by_name() -> None:
+    """multidict before 6.1 compared a ``CIMultiDict``'s keys view as spelled: asked "any of these
+    names?" in one call, it would answer no for ``X-Dynamo-Session-ID`` against the lower-case name,
+    and a hand-set header would be added to. Such a type is found so once and read name by name."""
+    as_spelled = type("CIMultiDict", (MultiDict,), {"__module__": "multidict.old"})
+    assert _carriers._multidict_holds(CIMultiDict)
+    assert not _carriers._multidict_holds(as_spelled)
+    assert _carriers.kind_of(as_spelled()) == _carriers._CASE_INSENSITIVE
 
 
 # ---- destinations ------------------------------------------------------------------------------
