@@ -35,9 +35,10 @@ class Settings:
     end_sessions: bool = False
 
 
-def parse_bool(name: str, raw: str | None, default: bool = False) -> bool:
-    """Read a boolean setting; anything but the usual spellings is a ``ValueError`` naming it."""
-    if raw is None or not raw.strip():
+def parse_bool(name: str, raw: str | None, default: bool = False, blank_is_unset: bool = True) -> bool:
+    """Read a boolean setting; anything but the usual spellings is a ``ValueError`` naming it (a
+    blank one too, unless ``blank_is_unset``: an empty variable is the variable unset)."""
+    if raw is None or (blank_is_unset and not raw.strip()):
         return default
     value = raw.strip().lower()
     if value in _TRUE:
@@ -64,7 +65,7 @@ def flag(argument: str, value: object, env: str, default: bool = False) -> bool:
     if type(value) is int and value in (0, 1):
         return bool(value)
     if isinstance(value, str):
-        return parse_bool(argument, value, default)
+        return parse_bool(argument, value, blank_is_unset=False)  # "" passed on says nothing: refused
     raise TypeError(f"{argument} must be True, False or None, not {value!r}")
 
 

@@ -64,6 +64,7 @@ def test_a_switch_passed_as_a_word_means_what_it_says(argument: str, word: str, 
         ("end_sessions", [True], TypeError),
         ("servers", 0.0, TypeError),
         ("servers", "enabled", ValueError),
+        ("end_sessions", " ", ValueError),  # blank: unset in a variable, but nothing said here
     ],
 )
 def test_a_switch_that_is_not_a_boolean_names_itself_and_changes_nothing(

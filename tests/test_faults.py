@@ -82,8 +82,8 @@ async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
 ) -> None:
     """The restore runs after the response arrived: the user still gets it, with the session sent.
 
-    (httpx sends a copy of the request and has nothing to restore; aiohttp edits its own per-hop
-    ``ClientRequest`` and takes the headers back after the send.)
+    (httpx sends a copy of the request and has nothing to restore; aiohttp puts a copy of the
+    headers with ours on its ``ClientRequest`` for the send, and takes ours out of it afterwards.)
     """
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     monkeypatch.setattr(_carriers, "restore", _boom)

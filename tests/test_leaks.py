@@ -152,6 +152,60 @@ async def test_an_aiohttp_middleware_that_resends_elsewhere_delivers_nothing_the
     assert not elsewhere.names() & OURS, elsewhere.headers
 
 
+@pytest.mark.parametrize("second", ["another host", "the same router"])
+@pytest.mark.parametrize("finishing", ["the first send", "the second send"])
+async def test_an_aiohttp_middleware_sending_one_request_twice_at_once_gives_each_send_its_own(
+    second: str, finishing: str, dynamo: Recorder, other: Recorder
+) -> None:
+    """A hedging middleware sends the same ClientRequest again while the first send is under way
+    (both held in an application's async trace callback, then let go in either order). The first
+    send's headers were the caller's object, edited in place: the second found our session header
+    there and took it for the caller's, so it sent it to a host that may receive nothing, or sent
+    none to the router when the first had taken it back meanwhile."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    held = [asyncio.Event(), asyncio.Event()]
+    let_go = [asyncio.Event(), asyncio.Event()]
+    sends = 0
+    target = other if second == "another host" else dynamo
+
+    async def audit(*_: Any) -> None:
+        nonlocal sends
+        index, sends = sends, sends + 1
+        held[index].set()
+        await let_go[index].wait()
+
+    async def hedge(request: aiohttp.ClientRequest, handler: Any) -> aiohttp.ClientResponse:
+        first = asyncio.ensure_future(handler(request))
+        await held[0].wait()
+        request.url = request.url.with_host(target.host).with_port(target.port).with_path("/hedged")
+        again = asyncio.ensure_future(handler(request))
+        await held[1].wait()
+        order = [(0, first), (1, again)] if finishing == "the first send" else [(1, again), (0, first)]
+        for index, pending in order:
+            let_go[index].set()
+            await pending
+        (await first).release()
+        return await again
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(audit)
+    with otel_session.trajectory() as traj:
+        async with (
+            aiohttp.ClientSession(trace_configs=[trace], middlewares=(hedge,)) as session,
+            session.get(f"{dynamo.url}/v1/models") as response,
+        ):
+            response.raise_for_status()
+            assert SESSION_HEADER not in response.request_info.headers  # taken back after the send
+    [primary] = [seen for seen in dynamo.requests if seen.path == "/v1/models"]
+    [hedged] = [seen for seen in target.requests if seen.path == "/hedged"]
+    assert primary.get(SESSION_HEADER) == traj.session_id
+    if second == "another host":
+        assert not hedged.names() & OURS, hedged.headers
+    else:
+        sessions = [value for name, value in hedged.headers if name.lower() == SESSION_HEADER.lower()]
+        assert sessions == [traj.session_id], hedged.headers
+
+
 class Retarget(httpx.BaseTransport):
     """A custom transport that sends the very Request it is given to another host."""
 
