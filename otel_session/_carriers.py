@@ -82,7 +82,10 @@ def kind_of(carrier: Any) -> int:
             found = _CASE_INSENSITIVE
             if kind.__qualname__ == "Headers":
                 _kinds[kind] = _CASE_INSENSITIVE  # while probing: copy_headers must not recurse
-                holds, two_attributes = _layout_holds(kind)
+                try:
+                    holds, two_attributes = _layout_holds(kind)
+                finally:  # cached below like any answer: with the cache full, this one stuck
+                    _kinds.pop(kind, None)
                 found = _ENTRIES if holds else _CASE_INSENSITIVE
                 if two_attributes:
                     _two_attribute_types.add(kind)

@@ -528,6 +528,21 @@ def test_snapshot_and_restore_put_a_multidict_back_exactly() -> None:
     check()
 
 
+def test_a_carrier_type_met_when_the_kinds_cache_is_full_is_still_found_fast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the cache of carrier types full, an httpx ``Headers`` met for the first time kept the
+    placeholder of its probe (case-insensitive, the slow way) for good: the suite failed when a test
+    filling the cache ran before the first httpx2 request."""
+    monkeypatch.setattr(_carriers, "_kinds", {})
+    for index in range(64):
+        _carriers.kind_of(type(f"Carrier{index}", (dict,), {})())
+    for _ in range(2):
+        assert _carriers.kind_of(httpx2.Headers()) == _carriers._ENTRIES
+        assert _carriers.kind_of(CIMultiDict()) == _carriers._MULTIDICT
+    assert len(_carriers._kinds) == 64
+
+
 def test_a_multidict_whose_keys_view_compares_names_as_spelled_is_read_name_by_name() -> None:
     """multidict before 6.1 compared a ``CIMultiDict``'s keys view as spelled: asked "any of these
     names?" in one call, it would answer no for ``X-Dynamo-Session-ID`` against the lower-case name,
