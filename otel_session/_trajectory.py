@@ -20,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _session_end, _tracing
+from otel_session import _hop, _session_end, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -77,12 +77,13 @@ class trajectory:
     def __enter__(self) -> trajectory:
         if self._token is not None:
             raise RuntimeError("this trajectory is already running; open a new otel_session.trajectory()")
-        parent, grandparent = session_ids()
+        current = otel_context.get_current()
+        parent, grandparent = session_ids(current)
         session = self._adopted if self._adopted is not None else new_session_id()
         reentered = session == parent
         if reentered:
             parent = grandparent  # re-entering the enclosing session: the same session, the same parent
-        ctx = with_session(session, parent)
+        ctx = with_session(session, parent, current)
         # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
         visits = None if reentered else _session_end.new_visits()
         if visits is not None:
@@ -94,7 +95,9 @@ class trajectory:
         self._span = span
         self._visits = visits
         self.session_id, self.parent_session_id = session, parent
-        self._token = otel_context.attach(trace.set_span_in_context(span, ctx))
+        ctx = trace.set_span_in_context(span, ctx)
+        self._token = otel_context.attach(ctx)
+        _hop.entered(ctx, session, parent, span)
         return self
 
     def __exit__(

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import otel_session
-from otel_session import SESSION_HEADER, _carriers, _faults, _propagator, servers
+from otel_session import SESSION_HEADER, _carriers, _faults, _hop, _propagator, servers
 from otel_session._hosts import HostRules
 from otel_session._propagator import SessionPropagator
 from tests.clients import CLIENTS, send
@@ -74,6 +74,36 @@ async def test_failing_host_rules_fail_no_request_and_are_logged_once(
         await send(kind, dynamo.url)
     assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
     assert len(_reports(caplog)) == 1
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_failing_start_of_a_trajectory_fails_nothing_and_its_requests_carry_the_session(
+    kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a trajectory offers is remembered as it starts; if that fails, the trajectory still runs
+    and its first request reads the offer from the context itself."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    remember = _hop._remember
+
+    def failing_when_told(settings: Any, ctx: Context, offer: Any = None) -> Any:
+        if offer is not None:  # told by the trajectory starting, not read by a request
+            raise Boom("forced failure inside otel-session")
+        return remember(settings, ctx)
+
+    monkeypatch.setattr(_hop, "_remember", failing_when_told)
+    caplog.set_level(logging.WARNING, logger="otel_session")
+    sessions = []
+    for _ in range(3):
+        with otel_session.trajectory() as traj:
+            sessions.append(traj.session_id)
+            for _ in range(REQUESTS // 3):
+                await send(kind, dynamo.url)
+    assert [seen.get(SESSION_HEADER) for seen in dynamo.requests] == [
+        session for session in sessions for _ in range(REQUESTS // 3)
+    ]
+    [report] = _reports(caplog)
+    assert "remembering what a trajectory offers" in report.getMessage()
+    assert otel_session.current_session_id() is None
 
 
 @pytest.mark.parametrize("kind", ["aiohttp"])

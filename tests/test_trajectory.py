@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import uuid
 
 import pytest
 from opentelemetry import baggage, context, trace
 
 import otel_session
+from otel_session import _hop
+from tests.otlp_receiver import OtlpHttpReceiver
 
 
 def test_each_attempt_mints_a_canonical_uuid4() -> None:
@@ -38,6 +41,86 @@ def test_minted_ids_are_uuid4s_with_every_random_bit_drawn() -> None:
             zeros |= ~parsed.int & (1 << 128) - 1
     fixed = 0xF << 76 | 0x3 << 62  # the version nibble and the two variant bits
     assert ones & ~fixed == zeros & ~fixed == (1 << 128) - 1 & ~fixed
+
+
+def _mint_in_child(count: int, out: multiprocessing.SimpleQueue[list[str]]) -> None:
+    ids = []
+    for _ in range(count):
+        with otel_session.trajectory() as traj:
+            ids.append(traj.session_id)
+    out.put(ids)
+
+
+def test_a_forked_child_never_mints_its_parents_ids() -> None:
+    """IDs are drawn in batches: a child forked with part of a batch left must not hand it out too."""
+    with otel_session.trajectory():
+        pass  # the parent now holds drawn IDs it has not handed out
+    fork = multiprocessing.get_context("fork")
+    out: multiprocessing.SimpleQueue[list[str]] = fork.SimpleQueue()
+    children = [fork.Process(target=_mint_in_child, args=(100, out)) for _ in range(2)]
+    for child in children:
+        child.start()
+    theirs = [out.get() for _ in children]
+    for child in children:
+        child.join(timeout=30)
+        assert child.exitcode == 0
+    mine = []
+    for _ in range(100):
+        with otel_session.trajectory() as traj:
+            mine.append(traj.session_id)
+    everyone = mine + theirs[0] + theirs[1]
+    assert len(set(everyone)) == len(everyone) == 300
+
+
+def test_ids_minted_by_many_threads_at_once_are_all_distinct() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def mint(_: int) -> list[str]:
+        ids = []
+        for _ in range(500):
+            with otel_session.trajectory() as traj:
+                assert traj.session_id is not None
+                ids.append(traj.session_id)
+        return ids
+
+    with ThreadPoolExecutor(8) as pool:
+        everyone = [session for ids in pool.map(mint, range(8)) for session in ids]
+    assert len(set(everyone)) == len(everyone) == 4000
+
+
+@pytest.mark.parametrize("tracing", [False, True], ids=["tracing-off", "tracing-on"])
+def test_what_a_trajectory_offers_its_requests_is_what_its_context_holds(
+    tracing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The offer remembered as a trajectory starts (so its first request need not read it back) is
+    the one read from its context: plain, nested, adopted, under a caller's baggage and span."""
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    otel_session.configure(dynamo_hosts=["dynamo:8000"], tracing=tracing)
+    caller_span = trace.NonRecordingSpan(
+        trace.SpanContext(0x1F, 0x2F, is_remote=False, trace_flags=trace.TraceFlags(1))
+    )
+    token = context.attach(trace.set_span_in_context(caller_span, baggage.set_baggage("user.key", "kept")))
+    try:
+        with otel_session.trajectory() as outer:
+            checks = [_hop.now()]
+            with otel_session.trajectory() as inner:
+                checks.append(_hop.now())
+                with otel_session.trajectory(session_id=outer.session_id):
+                    checks.append(_hop.now())
+        for now in checks:
+            assert now is not None
+            settings, ctx, offer, watched = now
+            assert offer == _hop.offer_for(ctx, settings.tracing)
+            assert dict(offer.baggage)["user.key"] == "kept"
+            assert watched == (settings.tracing or offer.traceparent is not None)
+            assert offer.traceparent is not None  # the caller's span (local), or the trajectory's
+        assert [now[2].parent for now in checks] == [None, outer.session_id, inner.session_id]
+    finally:
+        context.detach(token)
+        otel_session.unconfigure()
+        receiver.close()
 
 
 def test_leaving_restores_the_previous_context_exactly_also_on_error() -> None:
