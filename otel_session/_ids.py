@@ -24,16 +24,24 @@ def new_session_id() -> str:
     Exactly ``str(uuid.uuid4())`` (16 bytes from ``os.urandom``, version 4, RFC 4122 variant), but
     drawn ``_BATCH`` at a time: a trajectory starts with the caches cold from the requests before it,
     and there a system call and the formatting code cost more than all the rest of the start (about
-    20 us of 100, measured). ``list.pop`` is atomic, so two threads never take the same ID, and a
-    forked child starts with none (``os.register_at_fork``), so it never hands out its parent's.
+    20 us of 100, measured). A batch serves only the process that drew it: its process ID is checked
+    on every ID, because a process forked by C code (uWSGI forks its workers so by default) runs no
+    Python fork hook, and a child Python forks drops it at once (``os.register_at_fork``), so even a
+    reused process ID never hands out another's IDs. ``list.pop`` is atomic: two threads never take
+    the same ID.
     """
-    try:
-        return _minted.pop()
-    except IndexError:
-        fresh = _draw(_BATCH)
-        session = fresh.pop()
-        _minted.extend(fresh)
-        return session
+    global _batch
+    pid = os.getpid()
+    batch = _batch
+    if batch[0] == pid:
+        try:
+            return batch[1].pop()
+        except IndexError:
+            pass
+    fresh = _draw(_BATCH)
+    session = fresh.pop()
+    _batch = (pid, fresh)
+    return session
 
 
 def _draw(count: int) -> list[str]:
@@ -48,10 +56,15 @@ def _draw(count: int) -> list[str]:
     return drawn
 
 
+def _drop_batch() -> None:
+    global _batch
+    _batch = (0, [])
+
+
 _BATCH = 64
-_minted: list[str] = []  # drawn, not yet handed out
+_batch: tuple[int, list[str]] = (0, [])  # (the process that drew them, IDs not yet handed out)
 if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
-    os.register_at_fork(after_in_child=_minted.clear)
+    os.register_at_fork(after_in_child=_drop_batch)
 
 
 def is_valid_session_id(value: object) -> bool:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
+import subprocess
+import sys
+import textwrap
 import uuid
 
 import pytest
@@ -70,6 +74,56 @@ def test_a_forked_child_never_mints_its_parents_ids() -> None:
             mine.append(traj.session_id)
     everyone = mine + theirs[0] + theirs[1]
     assert len(set(everyone)) == len(everyone) == 300
+
+
+# Forks Python does not see, or sees late, each in a process of its own (a fork hook cannot be
+# taken back): C code forking (uWSGI's workers, by default), and a fork hook registered before
+# otel-session's that opens a trajectory in the child before ours ran.
+FORKS_UNSEEN = {
+    "forked-in-c": """
+        import ctypes
+        fork = ctypes.CDLL(None).fork
+    """,
+    "hook-runs-first": """
+        import os
+        def _early() -> None:
+            import otel_session
+            with otel_session.trajectory() as traj:
+                early.append(traj.session_id)
+        early = []
+        os.register_at_fork(after_in_child=_early)
+        fork = os.fork
+    """,
+}
+FORK_SCRIPT = """
+    import json, os, sys
+    {how}
+    import otel_session
+    with otel_session.trajectory():
+        pass  # a batch of IDs drawn, most not handed out yet
+    read, write = os.pipe()
+    pid = fork()
+    ids = []
+    for _ in range(20):
+        with otel_session.trajectory() as traj:
+            ids.append(traj.session_id)
+    if pid == 0:
+        os.write(write, json.dumps(ids + early if "early" in globals() else ids).encode())
+        os._exit(0)
+    os.close(write)
+    theirs = json.loads(os.read(read, 1 << 16).decode())
+    os.waitpid(pid, 0)
+    print(json.dumps([ids, theirs]))
+"""
+
+
+@pytest.mark.parametrize("how", sorted(FORKS_UNSEEN))
+def test_a_child_forked_where_python_does_not_see_it_never_mints_its_parents_ids(how: str) -> None:
+    script = textwrap.dedent(FORK_SCRIPT).format(how=textwrap.dedent(FORKS_UNSEEN[how]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    mine, theirs = json.loads(done.stdout)
+    assert len(theirs) >= 20 and len(set(mine + theirs)) == len(mine) + len(theirs)
 
 
 def test_ids_minted_by_many_threads_at_once_are_all_distinct() -> None:
