@@ -6,6 +6,7 @@ warning with a traceback instead of a log line per request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -21,10 +22,12 @@ def report(where: str, exc: BaseException) -> None:
         if where in _reported:
             return
         _reported.add(where)
-    logger.warning(
-        "otel-session: %s failed (%s); the application goes on without it (a request is sent as it "
-        "would be without otel-session). Further failures here are not logged.",
-        where,
-        type(exc).__name__,
-        exc_info=exc,
-    )
+    # A handler or filter of the application's may raise too: that must not reach its request either.
+    with contextlib.suppress(Exception):
+        logger.warning(
+            "otel-session: %s failed (%s); the application goes on without it (a request is sent as "
+            "it would be without otel-session). Further failures here are not logged.",
+            where,
+            type(exc).__name__,
+            exc_info=exc,
+        )

@@ -96,8 +96,8 @@ class trajectory:
         self._visits = visits
         self.session_id, self.parent_session_id = session, parent
         ctx = trace.set_span_in_context(span, ctx)
-        self._token = otel_context.attach(ctx)
         _hop.entered(ctx, session, parent, span)
+        self._token = otel_context.attach(ctx)  # last: nothing after it can fail and leave it attached
         return self
 
     def __exit__(

@@ -106,6 +106,36 @@ async def test_a_failing_start_of_a_trajectory_fails_nothing_and_its_requests_ca
     assert otel_session.current_session_id() is None
 
 
+class _RaisingFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        raise Boom("the application's own log filter raised")
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_report_whose_logging_raises_still_fails_nothing(
+    kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An application's log filter (or handler) on ``otel_session`` that raises: a failure of ours
+    reported through it still fails no trajectory and no request, and leaves no context behind."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(_hop, "_passed_on", _boom)  # at the trajectory's start and at its first request
+    raising = _RaisingFilter()
+    logging.getLogger("otel_session").addFilter(raising)
+    try:
+        with otel_session.trajectory():
+            for _ in range(3):
+                await send(kind, dynamo.url)
+        assert otel_session.current_session_id() is None
+        assert len(dynamo.requests) == 3
+    finally:
+        logging.getLogger("otel_session").removeFilter(raising)
+    monkeypatch.undo()
+    with otel_session.trajectory() as traj:
+        await send(kind, dynamo.url)
+    assert traj.parent_session_id is None
+    assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
+
+
 @pytest.mark.parametrize("kind", ["aiohttp"])
 async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
     kind: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
