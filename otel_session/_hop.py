@@ -133,7 +133,7 @@ def _remember(settings: _settings.Settings, ctx: Context, offer: Offer | None = 
 
 
 def entered(ctx: Context, session: str, parent: str | None, span: trace.Span) -> None:
-    """``trajectory()`` has just made ``ctx`` current, with ``session`` (and ``parent``) in its
+    """``trajectory()`` is making ``ctx`` current, with ``session`` (and ``parent``) in its
     baggage and ``span`` as its span: what it offers is remembered from those, so that its first
     request does not read them back out of the context. That reading, with the caches cold as a
     trajectory starts, cost about 50 us (a third of the start)."""

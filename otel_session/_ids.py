@@ -26,9 +26,8 @@ def new_session_id() -> str:
     and there a system call and the formatting code cost more than all the rest of the start (about
     20 us of 100, measured). A batch serves only the process that drew it: its process ID is checked
     on every ID, because a process forked by C code (uWSGI forks its workers so by default) runs no
-    Python fork hook, and a child Python forks drops it at once (``os.register_at_fork``), so even a
-    reused process ID never hands out another's IDs. ``list.pop`` is atomic: two threads never take
-    the same ID.
+    Python fork hook, and a child Python forks drops it at once (``os.register_at_fork``), whatever
+    its process ID. ``list.pop`` is atomic: two threads never take the same ID.
     """
     global _batch
     pid = os.getpid()
