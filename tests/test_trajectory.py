@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from opentelemetry import baggage, context, trace
@@ -127,8 +128,6 @@ def test_a_child_forked_where_python_does_not_see_it_never_mints_its_parents_ids
 
 
 def test_ids_minted_by_many_threads_at_once_are_all_distinct() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     def mint(_: int) -> list[str]:
         ids = []
         for _ in range(500):
