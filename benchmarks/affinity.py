@@ -22,7 +22,7 @@ from typing import Any
 
 import otel_session
 from otel_session.dynamo import LocalDynamo
-from otel_session.rollouts import Workload, run_batch, summarize
+from otel_session.dynamo.workload import Workload, run_batch, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

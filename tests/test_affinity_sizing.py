@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from otel_session._affinity_sizing import TABLE_SIZE, bindings_held, largest_ttl, sizing_note
+from otel_session.dynamo.sizing import TABLE_SIZE, bindings_held, largest_ttl, sizing_note
 
 
 def test_bindings_are_rate_times_ttl() -> None:

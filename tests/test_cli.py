@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from otel_session.cli import Progress
+from otel_session.dynamo.cli import Progress
 from otel_session.dynamo import LocalDynamo
 
 _BIN = Path(sys.executable).parent / "otel-session"
-CLI = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "otel_session.cli"]
+CLI = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "otel_session.dynamo.cli"]
 
 
 def _env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -156,7 +156,7 @@ WITHOUT_OPENAI = textwrap.dedent(
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
     sys.meta_path.insert(0, Absent())
-    from otel_session.cli import main
+    from otel_session.dynamo.cli import main
     sys.argv[0] = "otel-session"
     sys.exit(main())
     """

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 import otel_session
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
-from otel_session.rollouts import Workload, run_batch, summarize
+from otel_session.dynamo.workload import Workload, run_batch, summarize
 from tests.loopback import AsgiServer
 
 WORKLOAD = Workload(prompts=3, siblings=3, turns=4, prompt_words=600, turn_words=60)  # 9 trajectories: odd

@@ -1,4 +1,8 @@
-"""A real NVIDIA Dynamo stack (frontend + mocker workers) on loopback, for tests, demos, benchmarks.
+"""The demo side of otel-session: a real NVIDIA Dynamo stack on loopback and the tools around it.
+
+``LocalDynamo`` (frontend + mocker workers), the rollout ``workload`` the CLI and benchmarks run,
+``doctor`` and the ``otel-session`` command (``cli``). It is a user of the library like any other:
+the library itself never imports this package.
 
 Dynamo 1.6.1 by default; another version (NeMo-RL pins 1.3.0.post1) runs from its own interpreter.
 

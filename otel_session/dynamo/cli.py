@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import otel_session
 
 if TYPE_CHECKING:  # imported when a run starts: a usage mistake is answered without loading them
-    from otel_session.rollouts import Summary, TrajectoryResult, Workload
+    from otel_session.dynamo.workload import Summary, TrajectoryResult, Workload
 
 #: Router modes of Dynamo's frontend that work with the mocker workers of the local stack.
 ROUTERS = ("round-robin", "random", "kv", "least-loaded", "power-of-two")
@@ -233,7 +233,7 @@ def render(
     names: dict[int, str] | None = None,
 ) -> Verdict:
     """Both runs side by side (one row per trajectory, then the summaries), then the verdict line."""
-    from otel_session.rollouts import summarize
+    from otel_session.dynamo.workload import summarize
 
     names = {} if names is None else names
     on, off = summarize(with_sessions), summarize(without)
@@ -312,7 +312,7 @@ async def _both_arms(
 ) -> tuple[list[TrajectoryResult], list[TrajectoryResult]]:
     """The batch with sessions, then the same shape with no header at all (new text, so the second
     run finds no cache left warm by the first)."""
-    from otel_session.rollouts import run_batch
+    from otel_session.dynamo.workload import run_batch
 
     progress.start()
     otel_session.configure(dynamo_hosts=_dynamo_hosts(base_urls, announce=True))
@@ -337,7 +337,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_clients()
     import asyncio
 
-    from otel_session.rollouts import Workload, summarize
+    from otel_session.dynamo.workload import Workload, summarize
 
     workload = Workload(prompts=args.prompts, siblings=args.siblings, turns=args.turns)
     progress = Progress(
@@ -411,7 +411,7 @@ def _run(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     _check_environment()
     _check_clients()
-    from otel_session.doctor import diagnose
+    from otel_session.dynamo.doctor import diagnose
 
     report = diagnose(args.base_url, model=args.model, requests=args.requests)
     if args.json:

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import otel_session
 from otel_session import SESSION_HEADER, trajectory
-from otel_session._affinity_sizing import sizing_note
+from otel_session.dynamo.sizing import sizing_note
 from otel_session.dynamo import NVEXT_EXTRA_BODY, worker_id_of
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
