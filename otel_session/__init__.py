@@ -9,11 +9,10 @@ with otel_session.trajectory() as traj:
 from typing import TYPE_CHECKING, Any
 
 from otel_session._carry import bind, resume, session_carrier
-from otel_session._config import configure, unconfigure
+from otel_session._config import add_dynamo_hosts, configure, unconfigure
 from otel_session._context import current_session_id
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
 from otel_session._propagator import SessionPropagator
-from otel_session._runtime_hosts import add_dynamo_hosts
 from otel_session._settings import Settings
 from otel_session._trajectory import trajectory
 

@@ -1,43 +1,91 @@
-"""``configure()`` and ``unconfigure()``: install and remove everything otel-session does globally.
+"""``configure()``, ``unconfigure()`` and ``add_dynamo_hosts()``: install and remove what otel-session
+does globally.
 
-Configuration is checked completely before anything changes, so a bad pattern or variable raises
-with the previous configuration still in force. Calling ``configure()`` again swaps the whole
-configuration at once; ``unconfigure()`` puts back the propagator that was global before the first
-``configure()`` and takes the client instrumentation off.
+Settings are built completely before anything changes, so a bad one raises with the previous
+configuration still in force. The instrumentors are found as ``opentelemetry-instrument`` finds them,
+through the ``opentelemetry_instrumentor`` entry points (ours are those whose module is in this
+package), so the set is written once, in ``pyproject.toml``. Warnings are logged after the lock is
+released: an application's log handler may call back into us.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import os
 import threading
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any
+from urllib.parse import urlsplit
 
 from opentelemetry import propagate
-from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _faults, _server_hooks, _settings, _tracing
-from otel_session._propagator import SessionPropagator
+from otel_session import _faults, _settings, _tracing
+from otel_session._hosts import HostPattern
+from otel_session._propagator import SessionPropagator, warn_stock_leaks
 from otel_session._settings import Settings
 
-if TYPE_CHECKING:
-    from otel_session._instrumentor import SessionInstrumentor
-
 ENV_DISABLED_INSTRUMENTATIONS = "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"
-# entry point name -> (module, instrumentor class), as in pyproject's opentelemetry_instrumentor group.
-# Imported only when used: the propagator entry point imports this package while
-# ``opentelemetry.instrumentation`` itself may still be importing.
-INSTRUMENTORS: dict[str, tuple[str, str]] = {
-    "otel_session_httpx": ("otel_session._httpx_instrumentor", "HTTPXSessionInstrumentor"),
-    "otel_session_httpx2": ("otel_session._httpx_instrumentor", "HTTPX2SessionInstrumentor"),
-    "otel_session_aiohttp": ("otel_session._aiohttp_instrumentor", "AioHttpSessionInstrumentor"),
-}
+ENTRY_POINT_GROUP = "opentelemetry_instrumentor"
+_PACKAGE = "otel_session."
 
-_lock = threading.Lock()
+# Re-entrant: a signal handler may call unconfigure() while configure() runs on the same thread.
+_lock = threading.RLock()
 _previous_textmap: TextMapPropagator | None = None
-_arguments: dict[str, object] = {}
+_instrumentors: dict[str, Any] | None = None  # entry point name -> instrumentor class, found once
+
+
+def instrumentors() -> dict[str, Any]:
+    """Our instrumentor classes by entry point name, as registered in ``pyproject.toml``."""
+    global _instrumentors
+    if _instrumentors is None:
+        found: dict[str, Any] = {}
+        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry_point.value.startswith(_PACKAGE) and entry_point.name not in found:
+                try:
+                    found[entry_point.name] = entry_point.load()
+                except Exception as exc:  # one broken instrumentor must not take the others down
+                    _faults.report(f"loading the {entry_point.name} instrumentor", exc)
+        if not found:
+            _faults.logger.warning(
+                "otel-session: no instrumentors of ours are registered, so no request will carry a "
+                "session: install the package (pip install .) rather than putting it on the path"
+            )
+        _instrumentors = found
+    return _instrumentors
+
+
+def disabled() -> set[str]:
+    """``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` as upstream's loader reads it (``*``: all)."""
+    return {
+        name.strip() for name in os.environ.get(ENV_DISABLED_INSTRUMENTATIONS, "").split(",") if name.strip()
+    }
+
+
+def _wanted(settings: Settings) -> list[str]:
+    """The instrumentors ``settings`` ask for that are installed and not disabled."""
+    off = disabled()
+    if "*" in off:
+        return []
+    switch = {"client": True, "server": settings.servers, "boundary": True}
+    return [
+        name
+        for name, kind in instrumentors().items()
+        if name not in off and switch.get(kind.kind, False) and kind.installed()
+    ]
+
+
+def upstream_client_instrumentors() -> list[tuple[str, str]]:
+    """(module, class) of the upstream instrumentations that record client spans while tracing is
+    on, one per client instrumentor of ours that is not disabled."""
+    off = disabled()
+    if "*" in off:
+        return []
+    return [
+        kind.upstream
+        for name, kind in instrumentors().items()
+        if kind.upstream is not None and name not in off and not off & set(kind.replaces) and kind.installed()
+    ]
 
 
 def configure(
@@ -48,88 +96,79 @@ def configure(
     routers: Mapping[str, Iterable[str] | str] | None = None,
     end_sessions: bool | None = None,
     servers: bool | None = None,
+    trajectory_functions: Iterable[str] | str | None = None,
 ) -> Settings:
     """Deliver each trajectory's session to its routers and its baggage to ``trusted_hosts``.
 
     Each argument left as ``None`` is read from its variable: ``OTEL_SESSION_DYNAMO_HOSTS``,
     ``OTEL_SESSION_TRUSTED_HOSTS``, ``OTEL_SESSION_TRACING`` (unset: off), ``OTEL_SESSION_ROUTERS``
-    (``PROFILE=PATTERN[,PATTERN...]`` separated by ``;``) and ``OTEL_SESSION_END_SESSIONS``.
-    ``dynamo_hosts`` are the ``dynamo`` profile's hosts; ``routers`` maps a profile (``dynamo``,
-    ``vllm-router``, ``smg``, ``litellm``, ``header:NAME``) to its host patterns. Installs the
-    destination-aware propagator globally and instruments httpx, httpx2 (the openai SDK) and aiohttp
-    when each is imported. ``servers=True`` (or ``OTEL_SESSION_SERVERS``; on by default in zero-code
-    mode) puts the session middleware into every Starlette/FastAPI and aiohttp app the process builds.
-    Raises ``ValueError`` for a malformed pattern, profile or variable.
+    (``PROFILE=PATTERN[,PATTERN...]`` separated by ``;``), ``OTEL_SESSION_END_SESSIONS``,
+    ``OTEL_SESSION_SERVERS`` and ``OTEL_SESSION_TRAJECTORY_FUNCTIONS``. ``dynamo_hosts`` are the
+    ``dynamo`` profile's hosts; ``routers`` maps a profile (``dynamo``, ``vllm-router``, ``smg``,
+    ``litellm``, ``header:NAME``) to its host patterns. Installs the destination-aware propagator
+    globally and instruments httpx, httpx2 (the openai SDK) and aiohttp when each is imported.
+    ``servers=True`` puts the session middleware into every Starlette/FastAPI and aiohttp app the
+    process builds. ``trajectory_functions`` (``module:Qualified.name``) makes every call of each
+    named function a trajectory attempt. Raises ``ValueError`` naming a bad argument or variable.
     """
-    global _previous_textmap, _arguments
-    called_with = dict(locals())  # every parameter, for add_dynamo_hosts() to configure again
-    settings = _settings.build_settings(dynamo_hosts, trusted_hosts, tracing, routers, end_sessions)
-    instrument_servers = _server_hooks.servers_setting(servers)
-    if not settings.rules:
-        _faults.logger.warning(
-            "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
-            "pass dynamo_hosts=[...] or set %s (or %s)",
-            _settings.ENV_DYNAMO_HOSTS,
-            _settings.ENV_ROUTERS,
-        )
-    with _lock:
-        previous = _settings.current
-        _settings.set_active(settings)  # first: the instrumentors must see a configuration
-        # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so its
-        # wrappers must sit above ours. A missing SDK or bad exporter variable then undoes all of this.
-        already = {name for name in INSTRUMENTORS if _instrumented(name)}
-        fresh = [name for name in instrument_clients() if name not in already]
-        try:
-            _tracing.apply(settings.tracing)
-        except Exception:
-            _settings.set_active(previous)
-            for name in fresh:  # only what this call instrumented: uninstrumenting the rest would warn
-                _instrumentor_class(name)().uninstrument()
-            raise
-        current = propagate.get_global_textmap()
-        if not isinstance(current, SessionPropagator):
-            _previous_textmap = current
-            propagate.set_global_textmap(SessionPropagator())
-        if instrument_servers:
-            _server_hooks.install()
-        else:
-            _server_hooks.uninstall()
-        _arguments = called_with
+    settings, warnings = _settings.build(
+        dynamo_hosts, trusted_hosts, tracing, routers, end_sessions, servers, trajectory_functions
+    )
+    install(settings, warnings)
     return settings
 
 
-def _instrumentor_class(name: str) -> type[SessionInstrumentor]:
-    module, class_name = INSTRUMENTORS[name]
-    found: type[SessionInstrumentor] = getattr(importlib.import_module(module), class_name)
-    return found
+def install(settings: Settings, warnings: list[str] | None = None) -> None:
+    """Put ``settings`` in force with everything they ask for; on failure (tracing that cannot
+    start) the previous configuration stays in force."""
+    global _previous_textmap
+    warnings = list(warnings or [])
+    if not settings.rules:
+        warnings.append(
+            "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
+            f"pass dynamo_hosts=[...] or set {_settings.ENV_DYNAMO_HOSTS} (or {_settings.ENV_ROUTERS})"
+        )
+    wanted = _wanted(settings)
+    try:
+        with _lock:
+            previous = _settings.current
+            _settings.set_active(settings)  # first: the instrumentors must see a configuration
+            # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so
+            # its wrappers must sit above ours. A missing SDK or bad exporter variable undoes all this.
+            for name in wanted:  # instrumented while its switch was off, or for other names: again
+                instrumentor = _instrumentor(name)
+                if instrumentor.is_instrumented_by_opentelemetry and (
+                    not instrumentor.active or instrumentor.kind == "boundary"
+                ):
+                    instrumentor.uninstrument()
+            fresh = [name for name in wanted if not _instrumentor(name).is_instrumented_by_opentelemetry]
+            for name in fresh:
+                _instrumentor(name).instrument()
+            try:
+                _tracing.apply(settings.tracing, upstream_client_instrumentors())
+            except Exception:
+                _settings.set_active(previous)
+                for name in fresh:  # only what this call instrumented: uninstrumenting the rest would warn
+                    _instrumentor(name).uninstrument()
+                raise
+            for name in instrumentors():
+                if name not in wanted and _instrumentor(name).is_instrumented_by_opentelemetry:
+                    _instrumentor(name).uninstrument()
+            current = propagate.get_global_textmap()
+            if not isinstance(current, SessionPropagator):
+                _previous_textmap = current
+                propagate.set_global_textmap(SessionPropagator())
+    finally:
+        _log(warnings)
 
 
-def _instrumented(name: str) -> bool:
-    return bool(_instrumentor_class(name)().is_instrumented_by_opentelemetry)
+def _instrumentor(name: str) -> Any:
+    return instrumentors()[name]()
 
 
-def _clients() -> list[SessionInstrumentor]:
-    return [_instrumentor_class(name)() for name in INSTRUMENTORS]
-
-
-def configured_arguments() -> dict[str, object]:
-    """The arguments of the ``configure()`` now in force (``{}`` when none is)."""
-    return dict(_arguments) if _settings.current is not None else {}
-
-
-def instrument_clients() -> list[str]:
-    """Instrument every installed client library not disabled; returns the entry point names used."""
-    disabled = {
-        name.strip() for name in os.environ.get(ENV_DISABLED_INSTRUMENTATIONS, "").split(",") if name.strip()
-    }
-    done = []
-    for name in INSTRUMENTORS:
-        instrumentor_class = _instrumentor_class(name)
-        if name in disabled or not instrumentor_class.installed():
-            continue
-        instrumentor_class().instrument()
-        done.append(name)
-    return done
+def _log(warnings: list[str]) -> None:
+    for warning in warnings:
+        _faults.logger.warning("%s", warning)
 
 
 def unconfigure() -> None:
@@ -141,8 +180,8 @@ def unconfigure() -> None:
     with _lock:
         _settings.set_active(None)
         _tracing.apply(False)
-        _server_hooks.uninstall()
-        for instrumentor in _clients():
+        for name in instrumentors():
+            instrumentor = _instrumentor(name)
             if instrumentor.is_instrumented_by_opentelemetry:
                 instrumentor.uninstrument()
         if _previous_textmap is not None:
@@ -150,39 +189,57 @@ def unconfigure() -> None:
             _previous_textmap = None
 
 
-_STOCK = {"W3CBaggagePropagator": "baggage", "TraceContextTextMapPropagator": "tracecontext"}
-_SENDS = {"baggage": "baggage (session.id)", "tracecontext": "traceparent"}
+def exact_host_port(address: str) -> str:
+    """``host:port`` (or ``[v6]:port``) of ``address``, which must name one port; ``ValueError`` else.
 
-
-def stock_leaks(propagator: TextMapPropagator) -> list[str]:
-    """The stock propagators in ``propagator`` that send our members or spans to every host.
-
-    A stock ``baggage`` propagator sends ``session.id`` everywhere and ``tracecontext`` sends
-    ``traceparent`` everywhere. Composed before ours, ours takes their copies back on the requests of
-    the clients it instruments, but not on any other client's; after ours, or without ours, nothing does.
+    Accepts ``host:port``, ``[v6]:port`` or a URL with an explicit port (``http://10.0.0.5:3412/v1``).
     """
-    members = list(propagator._propagators) if isinstance(propagator, CompositePropagator) else [propagator]
-    return [_STOCK[type(p).__name__] for p in members if type(p).__name__ in _STOCK]
+    text = address.strip() if isinstance(address, str) else ""
+    try:
+        parts = urlsplit(text if "://" in text else f"//{text}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None or "*" in host or any(c.isspace() for c in text):
+        raise ValueError(
+            f"{address!r} is not an exact host:port: a runtime Dynamo host needs its port (e.g. "
+            "10.0.0.5:3412 or http://10.0.0.5:3412/v1), so that other servers on the node do not match"
+        )
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def add_dynamo_hosts(*addresses: str) -> list[str]:
+    """Add exact ``host:port`` Dynamo hosts for this process and every process it starts afterwards.
+
+    For a wrapper or frontend that picked a random port at runtime (NeMo-RL's, on the Ray node's
+    address): ``otel_session.add_dynamo_hosts(f"{node_ip}:{port}")`` right after it listens. The
+    active settings gain them, and ``OTEL_SESSION_DYNAMO_HOSTS`` in ``os.environ`` too, which every
+    process started afterwards inherits (and a Ray ``runtime_env`` can copy). Returns that variable's
+    new entries. Raises ``ValueError`` (changing nothing) for an address without a port.
+    """
+    added = [exact_host_port(address) for address in addresses]
+    patterns = [HostPattern.parse(host) for host in added]
+    name = _settings.ENV_DYNAMO_HOSTS
+    entries = [entry.strip() for entry in os.environ.get(name, "").split(",") if entry.strip()]
+    entries += [host for host in added if host not in entries]
+    with _lock:
+        os.environ[name] = ",".join(entries)
+        settings = _settings.current
+        if settings is not None:
+            known = {pattern for _, pattern in settings.rules.routes}
+            _settings.set_active(settings.with_dynamo_hosts(p for p in patterns if p not in known))
+    return entries
 
 
 def activate_environment() -> None:
     """Deliver by the ``OTEL_SESSION_*`` variables where no ``configure()`` ran (upstream's distro).
 
-    Tracing stays with whoever installed the SDK. A variable that cannot be read is one warning line;
-    a stock propagator that would leak (``OTEL_PROPAGATORS``) is another, saying what to set.
+    Tracing stays with whoever installed the SDK. A variable that cannot be read is one warning line
+    and its fallback; a stock propagator that would leak is another warning, saying what to set.
     """
-    try:
-        settings = _settings.build_settings(tracing=False)
-    except ValueError as exc:
-        _faults.logger.warning("otel-session: %s; no session is delivered until it is fixed", exc)
-        return
-    _settings.set_active(settings)
-    leaks = stock_leaks(propagate.get_global_textmap())
-    if leaks:
-        _faults.logger.warning(
-            "otel-session: OTEL_PROPAGATORS includes the stock %s propagator(s), which send %s to every "
-            "host; set OTEL_PROPAGATORS=dynamo_session (it sends traceparent and baggage itself, only "
-            "to routers and trusted hosts) or run with OTEL_PYTHON_DISTRO=otel_session",
-            " and ".join(leaks),
-            " and ".join(_SENDS[name] for name in leaks),
-        )
+    settings, warnings = _settings.build(tracing=False, lenient=True, servers_default=True)
+    with _lock:
+        if _settings.current is None:
+            _settings.set_active(settings)
+    _log(warnings)
+    warn_stock_leaks()

@@ -4,23 +4,28 @@ Imported only when tracing turns on (``_tracing._start``): a process with tracin
 SDK, whose modules would otherwise add to every request's cost by making the process bigger (more
 types and objects for the interpreter's caches and the collector to get through).
 
-Export never slows or fails a request: spans are queued for a background thread, the OTLP exporter
-gives up after ``DEFAULT_EXPORT_TIMEOUT_S`` (unless ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT`` says
-otherwise), and shutdown, explicit or at process exit, drops what it cannot send within
-``SHUTDOWN_BUDGET_S``, so a collector that is down costs at most budget + one export timeout.
+Export never slows or fails a request: spans are queued for a background thread, and each export
+gives up after ``DEFAULT_EXPORT_TIMEOUT_S`` in all (or what ``OTEL_EXPORTER_OTLP_[TRACES_]TIMEOUT``
+says, in seconds as the Python exporters read it). Shutdown, explicit or at process exit, drops what it
+cannot send within ``SHUTDOWN_BUDGET_S`` and returns by then, so a collector that is down, or one that
+answers a byte at a time, holds ``unconfigure()`` and process exit for at most that budget.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib
+import math
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from otel_session import _tracing
+from otel_session._faults import logger
 
 ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
@@ -32,23 +37,62 @@ SHUTDOWN_BUDGET_S = 1.5
 
 
 class DeadlineExporter(SpanExporter):
-    """Drops batches once shutdown's budget is spent, so exit never waits for a collector that is down.
+    """Bounds each export in total time, and drops batches once shutdown's budget is spent.
 
-    The SDK's batch processor waits up to 30 s at shutdown and ignores its export timeout; this
-    bound needs only the public exporter interface.
+    The OTLP exporters' timeout bounds each read, not the export: a collector that drips a byte at a
+    time holds an export for as long as it drips. So the inner export runs on a daemon thread and is
+    given up (a ``FAILURE``) once its time is up; while it still hangs, later batches are dropped at once
+    rather than each leaving another thread behind. The SDK's batch processor waits up to 30 s at
+    shutdown and ignores its export timeout; these bounds need only the public exporter interface.
     """
 
-    def __init__(self, inner: SpanExporter) -> None:
+    def __init__(self, inner: SpanExporter, timeout_s: float = DEFAULT_EXPORT_TIMEOUT_S) -> None:
         self._inner = inner
-        self._deadline = float("inf")
+        self._timeout_s = timeout_s
+        self._deadline = math.inf
+        self._hanging: threading.Thread | None = None
+        self._warned = False
 
     def expire_in(self, seconds: float) -> None:
         self._deadline = time.monotonic() + seconds
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if time.monotonic() >= self._deadline:
+        budget = min(self._timeout_s, self._deadline - time.monotonic())
+        hanging = self._hanging
+        if budget <= 0 or (hanging is not None and hanging.is_alive()):
             return SpanExportResult.FAILURE
-        return self._inner.export(spans)
+        outcome: list[SpanExportResult | Exception] = []
+        # The batch processor's context says "suppress instrumentation": the export's own HTTP request
+        # must not become a span, so the thread runs in a copy of it.
+        context = contextvars.copy_context()
+
+        def run() -> None:
+            try:
+                outcome.append(context.run(self._inner.export, spans))
+            except Exception as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, name="otel-session-export", daemon=True)
+        thread.start()
+        thread.join(budget)
+        if not outcome:
+            self._hanging = thread
+            self._warn_once(budget)
+            return SpanExportResult.FAILURE
+        result = outcome[0]
+        if isinstance(result, Exception):
+            raise result  # the batch processor logs it, as it would without us
+        return result
+
+    def _warn_once(self, budget: float) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        logger.warning(
+            "otel-session: a trace export got no complete answer from the collector within %.1f s; it is "
+            "given up, and batches are dropped while it hangs. Further ones are not logged.",
+            budget,
+        )
 
     def shutdown(self) -> None:
         self._inner.shutdown()
@@ -67,7 +111,7 @@ class Outlet(SpanProcessor):
         self._pipeline: tuple[BatchSpanProcessor, DeadlineExporter] | None = None
 
     def connect(self, exporter: SpanExporter) -> None:
-        deadline_exporter = DeadlineExporter(exporter)
+        deadline_exporter = exporter if isinstance(exporter, DeadlineExporter) else DeadlineExporter(exporter)
         self._pipeline = (BatchSpanProcessor(deadline_exporter), deadline_exporter)
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -76,20 +120,60 @@ class Outlet(SpanProcessor):
             pipeline[0].on_end(span)
 
     def shutdown(self) -> None:
-        """Send what can be sent within ``SHUTDOWN_BUDGET_S``, then close the exporter."""
+        """Send what can be sent within ``SHUTDOWN_BUDGET_S``, then close the exporter; returns by then.
+
+        The processor's shutdown runs on a daemon thread: whatever of it outlasts the budget (closing an
+        exporter whose last request still hangs) carries on there and never holds the caller or exit.
+        """
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             processor, exporter = pipeline
             exporter.expire_in(SHUTDOWN_BUDGET_S)
-            processor.shutdown()  # type: ignore[no-untyped-call]
+            _run_within(SHUTDOWN_BUDGET_S, processor.shutdown, "otel-session-export-shutdown")
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         pipeline = self._pipeline
         return True if pipeline is None else pipeline[0].force_flush(timeout_millis)
 
 
+def _run_within(seconds: float, work: Callable[[], object], name: str) -> None:
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    thread.join(seconds)
+
+
+def export_timeout() -> float:
+    """Seconds each export may take in all: the variable's, or ``DEFAULT_EXPORT_TIMEOUT_S``.
+
+    A value that is not a positive finite number of seconds gets the default and one warning line
+    naming the variable, where the exporters would fall back to their own 10 s, or, for ``-1``, fail
+    every export at once.
+    """
+    variable = ENV_TRACES_TIMEOUT if os.environ.get(ENV_TRACES_TIMEOUT) else ENV_TIMEOUT
+    raw = os.environ.get(variable)
+    if not raw:
+        return DEFAULT_EXPORT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if math.isfinite(seconds) and seconds > 0:
+        return seconds
+    logger.warning(
+        "otel-session: %s=%r is not a positive number of seconds; each trace export gives up after %s s",
+        variable,
+        raw,
+        DEFAULT_EXPORT_TIMEOUT_S,
+    )
+    return DEFAULT_EXPORT_TIMEOUT_S
+
+
 def otlp_exporter() -> SpanExporter:
-    """The OTLP exporter the standard variables ask for (default ``http/protobuf``, as the spec says)."""
+    """The OTLP exporter the standard variables ask for (default ``http/protobuf``, as the spec says).
+
+    It comes wrapped in a :class:`DeadlineExporter` holding the same timeout, so the timeout bounds
+    each export in all, not each read.
+    """
     variable = ENV_TRACES_PROTOCOL if os.environ.get(ENV_TRACES_PROTOCOL) else ENV_PROTOCOL
     raw = os.environ.get(variable) or "http/protobuf"
     protocol = raw.strip().lower()
@@ -104,6 +188,21 @@ def otlp_exporter() -> SpanExporter:
     except ImportError as exc:
         hint = _tracing.INSTALL_HINT
         raise ImportError(f"otel-session tracing over {protocol} needs {module}: {hint}") from exc
-    timeout_set = os.environ.get(ENV_TRACES_TIMEOUT) or os.environ.get(ENV_TIMEOUT)
-    exporter: SpanExporter = exporter_class(timeout=None if timeout_set else DEFAULT_EXPORT_TIMEOUT_S)
-    return exporter
+    traces_timeout = os.environ.get(ENV_TRACES_TIMEOUT)
+    if protocol == "grpc" and traces_timeout and not _is_number(traces_timeout):
+        # The gRPC exporter parses this variable itself, whatever timeout it is given, and fails.
+        raise ValueError(
+            f"{ENV_TRACES_TIMEOUT}={traces_timeout!r} is not a number of seconds, which the gRPC "
+            f"exporter cannot start with; fix or unset it"
+        )
+    timeout = export_timeout()
+    # Given explicitly, so neither exporter reads the variables again (with fallbacks of its own).
+    return DeadlineExporter(exporter_class(timeout=timeout), timeout)
+
+
+def _is_number(raw: str) -> bool:
+    try:
+        float(raw)
+    except ValueError:
+        return False
+    return True

@@ -1,39 +1,42 @@
-"""One hop of one request: where it goes, what the trajectory offers, what to add.
+"""One hop of one request: what the current context offers, and what a hop to one destination carries.
 
-The client instrumentors call ``prepare`` at the point where a request's destination is final (the
-connection's scheme, host and port) and apply the edits it returns to that hop's headers only. The
-propagator reads the ``Hop`` they leave in the context, so an upstream instrumentation injecting
-later in the same hop gets the same answer.
+A client instrumentation asks ``current()`` what the context offers (``None``: nothing, so the usual
+request outside a trajectory never reads its URL), then ``Offered.plan`` for the destination it is
+about to dial. The ``Plan`` is the policy's answer for a request holding none of ``Plan.names``; a
+request that holds one is planned afresh with ``Plan.given``. The instrumentation applies the edits to
+that hop's headers only, and where an upstream instrumentation may inject later in the hop it puts
+``Plan.hop`` in the context, so the propagator gives the same answer.
 
-Answers are remembered for the current context, by destination (``plans_now``): a trajectory sends
-many requests to a few hosts from one context, and the policy's only other input, what the request
-already holds, is checked on each (``Plan.fits``). httpx's hook takes a remembered answer without
-calling ``prepare`` at all: that is the whole cost of the usual request.
+Plans are remembered per context and destination: a trajectory sends many requests to a few hosts
+from one context, and a ``Context`` is immutable, so one context always offers the same.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import contextlib
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context, get_current
 
-from otel_session import _carriers, _faults, _settings, _w3c
+from otel_session import _faults, _settings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, session_ids
-from otel_session._hosts import Route, canonical_origin
+from otel_session._hosts import NOWHERE, Route, canonical_origin
 from otel_session._policy import Edit, Offer, names_for, plan
 from otel_session._session_end import Visit
 
+PLANS_KEPT = 64  # destinations remembered per context: a trajectory talks to a handful of hosts
+Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them
+
 
 class Hop(NamedTuple):
-    """What the propagator needs to know about the hop in progress: its route, what we added, and
-    the headers it is for.
+    """What the propagator needs to know of the hop in progress: its route, the header names we
+    added, and the headers object it is for.
 
-    ``carrier``: the hop's own headers object, where an instrumentor binds the hop to them before
-    putting it in the context. Everything run in that context sees the hop: a client's trace
-    callbacks, and the task a client starts to stream the body, which keeps a copy of the context
-    after the hop is over. A request sent from there (an audit call, a body read from another host)
-    injects into a carrier of its own, which is not this hop's and gets nothing: the check can only
+    ``carrier`` binds the hop to its own headers: everything run in the hop's context sees the hop
+    (a client's trace callbacks, a body-streaming task that keeps a copy of the context), and a
+    request sent from there injects into a carrier of its own, which gets nothing. The check can only
     ever withhold, never grant.
     """
 
@@ -42,22 +45,104 @@ class Hop(NamedTuple):
     carrier: object | None = None
 
 
-class Prepared(NamedTuple):
-    """``prepare``'s answer: the edits for this hop, the ``Hop``, and whether it must be made current.
+class Plan:
+    """What one hop to one destination carries, from one context under one configuration.
 
-    ``watched``: tracing is on or a span is current, so an upstream instrumentation may inject later
-    in this hop and our propagator must know where it goes. (A stock propagator composed with ours
-    needs it too: the instrumentors check for that.)
+    ``edits`` hold for a request holding none of ``names`` (lower-case; ``raw_names`` the same as
+    bytes, as HTTP/1 clients keep them). ``wire`` is ``edits`` as (name, lower-case name, value)
+    byte triples, or ``None`` where one takes a header away or is not ASCII.
     """
 
-    edits: list[Edit]
-    hop: Hop
-    watched: bool
-    held: frozenset[str]
+    __slots__ = (
+        "_note", "_offered", "added", "destination", "edits", "hop", "names", "raw_names", "route", "watched",
+        "wire",
+    )  # fmt: skip
+
+    def __init__(self, offered: Offered, route: Route, destination: Destination, edits: list[Edit]) -> None:
+        self._offered = offered
+        self.destination = destination
+        self.route = route
+        self.names = names_for(route)
+        self.raw_names = frozenset(name.encode("latin-1") for name in self.names)
+        self.edits = edits
+        self.added = frozenset(name.lower() for name, value in edits if value is not None)
+        self.hop = Hop(route, self.added)
+        self.watched = offered.watched
+        wire = [
+            (name.encode("ascii"), name.lower().encode("ascii"), value.encode("ascii"))
+            for name, value in edits
+            if value is not None and name.isascii() and value.isascii()
+        ]
+        self.wire = tuple(wire) if len(wire) == len(edits) else None
+        self._note = offered.note(route, edits, destination)
+
+    def given(self, held: Mapping[str, str], callers_only: bool) -> Plan:
+        """This hop for a request that holds ``held`` (lower-case names of ``names``): planned afresh.
+
+        ``callers_only=False`` where a stock propagator composed with ours may have copied our values
+        into the request: what is recognisably ours is then taken back where it must not go.
+        """
+        if not held and callers_only:
+            return self
+        if not self.route and callers_only:
+            return self  # goes nowhere, and everything it holds is its caller's: nothing to do
+        edits = plan(self.route, self._offered.offer, held, callers_only=callers_only)
+        return Plan(self._offered, self.route, self.destination, edits)
+
+    def delivered(self) -> None:
+        """Record, where sessions are ended, that this hop took the session to its router."""
+        note = self._note
+        if note is not None:
+            note[0].add(note[1])
+
+
+class Offered:
+    """What one context offers a request under one configuration, and the plans made from it."""
+
+    __slots__ = ("_plans", "context", "offer", "offers", "settings", "watched")
+
+    def __init__(self, settings: _settings.Settings, context: Context, offer: Offer) -> None:
+        self.settings = settings
+        self.context = context
+        self.offer = offer
+        # tracing is on or a span is current: an upstream instrumentation may inject later in the hop
+        self.watched = settings.tracing or offer.traceparent is not None
+        self.offers = offer.session is not None or bool(offer.baggage) or self.watched
+        self._plans: dict[Destination, Plan] = {}
+
+    def plan(self, scheme: str, host: str | None, port: int | None) -> Plan:
+        """The plan for a hop to this destination, remembered."""
+        destination = (scheme, host, port)
+        found = self._plans.get(destination)
+        if found is None:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            route = self.settings.rules.route(scheme, host, port) if host else NOWHERE
+            if untold and route.profile is not None and self.offer.session is None:
+                outside(scheme, host, port)
+            found = Plan(self, route, destination, plan(route, self.offer, {}) if route else [])
+            self._plans[destination] = found
+        return found
+
+    def note(
+        self, route: Route, edits: list[Edit], destination: Destination
+    ) -> tuple[set[Visit], Visit] | None:
+        """Where sessions are ended: the trajectory's set of routers reached, and this hop's router
+        if the hop delivers the session to one."""
+        profile = route.profile
+        if not self.settings.end_sessions or profile is None or not edits or not destination[1]:
+            return None
+        if edits[0][0] != profile.session_header:
+            return None
+        visits = self.context.get(ROUTER_VISITS_KEY)
+        if not isinstance(visits, set):
+            return None
+        scheme, host, port = destination
+        return visits, (profile.name, *canonical_origin(scheme, host or "", port))
 
 
 def offer_for(ctx: Context, tracing: bool) -> Offer:
-    """What ``ctx`` offers a request, with tracing on or off (``now`` remembers the answer)."""
+    """What ``ctx`` offers a request, with tracing on or off."""
     session, parent = session_ids(ctx)
     return Offer(session, parent, baggage.get_all(ctx), _passed_on(trace.get_current_span(ctx), tracing))
 
@@ -70,171 +155,65 @@ def _passed_on(span: trace.Span, tracing: bool) -> str | None:
     return _w3c.traceparent(span_context) if traced else None
 
 
-# What the context offers a request at this moment, under the configuration in force: (settings,
-# context, offer, watched: tracing is on or a span is current, see ``Prepared``). A plain tuple: one
-# is built for every request in a trajectory.
-Now = tuple[_settings.Settings, Context, Offer, bool]
-Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them
+# The last context asked about. Swapped whole, and its dicts only gain or lose whole entries, so
+# threads need no lock: the worst case is a plan made twice.
+_last: Offered | None = None
 
 
-class Plan(NamedTuple):
-    """A hop's answer remembered for one destination, valid for a request holding none of ``names``
-    (what the request holds is the only input of the policy not fixed by context and destination).
-
-    ``entries``: the edits as a fast ``Headers`` keeps them (``_carriers.entries_for``), ``None``
-    where one cannot be appended so. ``note``: (the trajectory's set of routers reached, this one),
-    to add on every hop when sessions are ended.
-    """
-
-    names: _carriers.Names
-    prepared: Prepared
-    entries: _carriers.Entries | None
-    note: tuple[set[Visit], Visit] | None
-    nowhere: bool  # the destination may receive nothing: where only callers wrote, nothing to check
-
-    def fits(self, headers: Any, callers_only: bool) -> bool:
-        """Whether this answer is valid for a request with ``headers``: it holds none of ``names``,
-        or it goes nowhere and everything it holds was set by its caller (the answer is then
-        nothing, whatever it holds)."""
-        return (self.nowhere and callers_only) or not _carriers.holds_any(headers, self.names)
-
-    def taken(self) -> Prepared:
-        """The remembered answer, for a request found to hold none of ``names``."""
-        note = self.note
-        if note is not None:
-            note[0].add(note[1])
-        return self.prepared
-
-
-# The last context seen, under the configuration then in force: (context, settings, what it offers
-# (``now``'s answer), the plans made from it so far by destination; ``None`` for both where it offers
-# nothing). A ``Context`` is immutable, so the same object always gives the same answers, and one
-# trajectory's requests share one until something attaches another: the usual request then costs
-# two identity checks and one lookup. Swapped whole, and its dict only ever gains or loses whole
-# entries, so thread-safe.
-_Memo = tuple["Context | None", "_settings.Settings | None", "Now | None", "dict[Destination, Plan] | None"]
-_memo: _Memo = (None, None, None, None)
-PLANS_KEPT = 64  # destinations remembered per context: a trajectory talks to a handful of hosts
-
-
-def _remember(settings: _settings.Settings, ctx: Context, offer: Offer | None = None) -> _Memo:
-    """``_memo`` for ``ctx`` under ``settings``, made afresh (from ``offer`` where it is known)."""
-    global _memo
-    tracing = settings.tracing
-    if offer is None:
-        offer = offer_for(ctx, tracing)
-    watched = tracing or offer.traceparent is not None
-    offered = offer.session is not None or bool(offer.baggage) or watched
-    memo: _Memo = (ctx, settings, None, None)
-    if offered:
-        memo = (ctx, settings, (settings, ctx, offer, watched), {})
-    _memo = memo
-    return memo
-
-
-def entered(ctx: Context, session: str, parent: str | None, span: trace.Span) -> None:
-    """``trajectory()`` is making ``ctx`` current, with ``session`` (and ``parent``) in its
-    baggage and ``span`` as its span: what it offers is remembered from those, so that its first
-    request does not read them back out of the context. That reading, with the caches cold as a
-    trajectory starts, cost about 50 us (a third of the start)."""
-    settings = _settings.current
-    if settings is None:
-        return
-    try:
-        offer = Offer(session, parent, baggage.get_all(ctx), _passed_on(span, settings.tracing))
-        _remember(settings, ctx, offer)
-    except Exception as exc:  # a bug of ours must not fail the trajectory: its first request reads it
-        _faults.report("remembering what a trajectory offers", exc)
-
-
-def _memo_now(ctx: Context | None) -> _Memo | None:
-    """``_memo`` for ``ctx`` (by default the current context) under the configuration in force,
-    made afresh if it was another's; ``None`` when nothing is configured."""
+def current(ctx: Context | None = None) -> Offered | None:
+    """What a request sent now (from ``ctx``, by default the current context) is offered; ``None``
+    when nothing at all: no configuration, or no session, baggage or span to pass on."""
+    global _last
     settings = _settings.current
     if settings is None:
         return None
     if ctx is None:
         ctx = get_current()
-    memo = _memo
-    if memo[0] is not ctx or memo[1] is not settings:
-        memo = _remember(settings, ctx)
-    return memo
+    last = _last
+    if last is None or last.context is not ctx or last.settings is not settings:
+        last = _last = Offered(settings, ctx, offer_for(ctx, settings.tracing))
+    return last if last.offers else None
 
 
-def now(ctx: Context | None = None) -> Now | None:
-    """What a request sent now (in ``ctx``, by default the current context) could carry; ``None``
-    when nothing at all (no configuration, or outside any trajectory with no baggage and tracing
-    off): the usual untraced request outside a trajectory learns that before its destination is
-    even read."""
-    memo = _memo_now(ctx)
-    return None if memo is None else memo[2]
+def entered(ctx: Context, session: str, parent: str | None, span: trace.Span) -> None:
+    """``trajectory()`` is making ``ctx`` current with ``session`` (and ``parent``) and ``span``:
+    remember what it offers from those, so its first request does not read them back."""
+    global _last
+    settings = _settings.current
+    if settings is None:
+        return
+    try:
+        offer = Offer(session, parent, baggage.get_all(ctx), _passed_on(span, settings.tracing))
+        _last = Offered(settings, ctx, offer)
+    except Exception as exc:  # a bug of ours must not fail the trajectory: its first request reads it
+        _faults.report("remembering what a trajectory offers", exc)
 
 
-def plans_now() -> dict[Destination, Plan] | None:
-    """The plans remembered for a request sent now from the current context, by destination (the
-    express path: a hit, on a request holding none of its ``names``, is the whole answer); ``None``
-    when nothing can be added at all, as for ``now``. A miss is planned by ``prepare``."""
-    memo = _memo_now(None)
-    return None if memo is None else memo[3]
+# No request to a router host has been seen outside any trajectory yet (``outside``).
+untold = True
 
 
-def prepare(
-    now: Now, headers: Any, scheme: str, host: str | None, port: int | None, callers_only: bool = True
-) -> Prepared:
-    """What this hop's ``headers`` must gain, sent ``now`` to that destination.
-
-    ``callers_only=False`` where a stock propagator may already have written into ``headers``. (A
-    request holding none of the names the policy reads gets the same answer either way: that is
-    the answer remembered.)
-    """
-    settings, ctx, offer, watched = now
-    memo = _memo
-    plans = memo[3] if memo[0] is ctx and memo[1] is settings else None
-    destination = (scheme, host, port)
-    if plans is not None:
-        known = plans.get(destination)
-        if known is not None and known.fits(headers, callers_only):
-            return known.taken()
-    route = settings.rules.route(scheme, host, port)
-    # Every name the policy reads for this route, even where it reads none now: a request to a
-    # route-less host may still hold a stock propagator's copies, which the remembered answer for
-    # callers_only=False takes back.
-    names = names_for(route)
-    held: dict[str, str] = {}
-    edits: list[Edit] = []
-    if route or not callers_only:  # else: nothing to add, nothing to take back
-        held = _carriers.read(headers, names)
-        edits = plan(route, offer, held, callers_only=callers_only)
-    added = frozenset(name.lower() for name, value in edits if value is not None)
-    prepared = Prepared(edits, Hop(route, added), watched, frozenset(held))
-    note = _note(ctx, route, edits, scheme, host, port) if settings.end_sessions else None
-    if note is not None:
-        note[0].add(note[1])
-    if not held and plans is not None:
-        if len(plans) >= PLANS_KEPT:
-            plans.clear()
-        plans[destination] = Plan(
-            _carriers.names_to_find(names), prepared, _carriers.entries_for(edits), note, not route
+def outside(scheme: str, host: str | None, port: int | None) -> None:
+    """A request sent outside any trajectory: the first one to a router host says so, once per
+    process, with how to give it a boundary. It still goes out as it is, with no session."""
+    global untold
+    settings = _settings.current
+    route = settings.rules.route(scheme, host, port) if settings is not None and host else NOWHERE
+    if route.profile is None or not untold:
+        return
+    untold = False
+    with contextlib.suppress(Exception):
+        _faults.logger.warning(
+            "otel-session: a request to %s router %s was sent outside any trajectory, so it carries no "
+            "session; give its rollout a boundary: otel_session.trajectory(), "
+            "OTEL_SESSION_TRAJECTORY_FUNCTIONS=module:function, or a framework instrumentor (NeMo-RL's is "
+            "built in). Logged once per process.",
+            route.profile.name,
+            f"{host}:{port}" if port is not None else host,
         )
-    return prepared
 
 
-def _note(
-    ctx: Context,
-    route: Route,
-    edits: list[Edit],
-    scheme: str,
-    host: str | None,
-    port: int | None,
-) -> tuple[set[Visit], Visit] | None:
-    """Where ``trajectory()`` ends sessions (``end_sessions`` on): its set of routers reached, and
-    this hop's router if the hop delivers the session to one."""
-    profile = route.profile
-    if profile is None or not host or not edits:
-        return None
-    if edits[0][0] != profile.session_header:
-        return None
-    visits = ctx.get(ROUTER_VISITS_KEY)
-    if not isinstance(visits, set):
-        return None
-    return visits, (profile.name, *canonical_origin(scheme, host, port))
+def forget() -> None:
+    """Drop what was remembered (a forked child starts from a context of its own)."""
+    global _last
+    _last = None

@@ -17,6 +17,7 @@ from typing import Any
 from opentelemetry import baggage, propagate
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context, get_current
+from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import (
     CarrierT,
     Getter,
@@ -46,15 +47,17 @@ class SessionPropagator(TextMapPropagator):
         self, carrier: CarrierT, context: Context | None = None, setter: Setter[CarrierT] = default_setter
     ) -> None:
         try:
+            if _leaks_checked is not propagate.get_global_textmap():
+                warn_stock_leaks()
             ctx = context if context is not None else get_current()
             hop = ctx.get(HOP_KEY)
             if not isinstance(hop, _hop.Hop):
                 return  # no destination known: nothing added, nothing taken
             if hop.carrier is not None and carrier is not hop.carrier:
                 return  # another request, sent from inside the hop: its destination is unknown
-            current = _hop.now(ctx)
+            offered = _hop.current(ctx)
             # None: unconfigured (the propagator used on its own), or nothing offered with tracing off
-            offer = current[2] if current is not None else _hop.offer_for(ctx, False)
+            offer = offered.offer if offered is not None else _hop.offer_for(ctx, False)
             held = _carriers.read(carrier, names_for(hop.route))
             edits = plan(hop.route, offer, held, callers_only=False, replaceable=hop.added)
             _carriers.apply(carrier, edits, setter)
@@ -73,6 +76,48 @@ class SessionPropagator(TextMapPropagator):
     @property
     def fields(self) -> set[str]:
         return {SESSION_HEADER.lower(), PARENT_SESSION_HEADER.lower(), "baggage", *_tracecontext.fields}
+
+
+_STOCK = {"W3CBaggagePropagator": "baggage", "TraceContextTextMapPropagator": "tracecontext"}
+_SENDS = {"baggage": "baggage (session.id)", "tracecontext": "traceparent"}
+
+
+def stock_leaks(propagator: TextMapPropagator) -> list[str]:
+    """The stock propagators in ``propagator`` that send our members or spans to every host.
+
+    A stock ``baggage`` propagator sends ``session.id`` everywhere and ``tracecontext`` sends
+    ``traceparent`` everywhere. Composed with ours, ours takes their copies back on the requests of
+    the clients it instruments, but not on any other client's.
+    """
+    members = list(propagator._propagators) if isinstance(propagator, CompositePropagator) else [propagator]
+    return [_STOCK[type(p).__name__] for p in members if type(p).__name__ in _STOCK]
+
+
+_leak_warned: list[bool] = []
+_leaks_checked: object = None  # the global propagator last checked for stock ones beside ours
+
+
+def warn_stock_leaks(propagator: TextMapPropagator | None = None) -> None:
+    """One warning per process when stock propagators are in force beside ours (``propagator``, by
+    default the global one): on every path that can set them up, ``configure()`` (the propagator it
+    replaces), either distro, and the propagator itself when loaded only from ``OTEL_PROPAGATORS``."""
+    global _leaks_checked
+    if propagator is None:
+        propagator = _leaks_checked = propagate.get_global_textmap()
+    if _leak_warned:
+        return
+    leaks = stock_leaks(propagator)
+    if not leaks:
+        return
+    _leak_warned.append(True)
+    _faults.logger.warning(
+        "otel-session: OTEL_PROPAGATORS includes the stock %s propagator(s), which send %s to every "
+        "host through clients otel-session does not instrument; set OTEL_PROPAGATORS=dynamo_session (it "
+        "sends traceparent and baggage itself, only to routers and trusted hosts) or run with "
+        "OTEL_PYTHON_DISTRO=otel_session",
+        " and ".join(leaks),
+        " and ".join(_SENDS[name] for name in leaks),
+    )
 
 
 def is_sole_global() -> bool:

@@ -1,14 +1,18 @@
-"""The active configuration: which routers sit where, which hosts are trusted, what is switched on.
+"""The configuration as a value: built from arguments and the environment, and the one in force.
 
-It is a single immutable value swapped atomically by ``configure()``, so hooks running on other
-threads always see one whole configuration, never half of an old one and half of a new one.
+A ``Settings`` is immutable and swapped whole by ``configure()``, so hooks running on other threads
+always see one whole configuration, never half of an old one and half of a new one. It is built
+field by field, each from its argument or else its variable, and a bad one is a ``SettingError``
+naming that argument or variable. Zero-code mode builds it leniently: a variable that cannot be
+read costs one warning and its fallback, and a pattern list keeps its good entries.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from otel_session._hosts import HostPattern, HostRules, parse_patterns
 from otel_session._routers import DYNAMO, Profile, profile_named
@@ -18,6 +22,9 @@ ENV_TRUSTED_HOSTS = "OTEL_SESSION_TRUSTED_HOSTS"
 ENV_ROUTERS = "OTEL_SESSION_ROUTERS"
 ENV_TRACING = "OTEL_SESSION_TRACING"
 ENV_END_SESSIONS = "OTEL_SESSION_END_SESSIONS"
+ENV_SERVERS = "OTEL_SESSION_SERVERS"
+ENV_ADOPT = "OTEL_SESSION_ADOPT"
+ENV_TRAJECTORY_FUNCTIONS = "OTEL_SESSION_TRAJECTORY_FUNCTIONS"
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -28,11 +35,32 @@ Routers = Mapping[str, Patterns]
 
 @dataclass(frozen=True)
 class Settings:
-    """One complete configuration; ``rules`` answers what each destination may receive."""
+    """One complete configuration; ``rules`` answers what each destination may receive.
+
+    ``adopt``: where servers keep their own session ID, ``("session", KEY)`` (Starlette's
+    ``request.session[KEY]``) or ``("cookie", NAME)``. ``trajectory_functions``: the functions each
+    call of which is a trajectory attempt, as ``module:Qualified.name``.
+    """
 
     rules: HostRules = field(default_factory=HostRules)
     tracing: bool = False
     end_sessions: bool = False
+    servers: bool = False
+    adopt: tuple[str, str] | None = None
+    trajectory_functions: tuple[str, ...] = ()
+
+    def with_dynamo_hosts(self, patterns: Iterable[HostPattern]) -> Settings:
+        """These settings with more Dynamo host patterns."""
+        routes = [*self.rules.routes, *((DYNAMO, pattern) for pattern in patterns)]
+        return replace(self, rules=HostRules(routes, self.rules.trusted))
+
+
+class SettingError(ValueError):
+    """A setting that cannot be honoured; ``name`` is the argument or variable it came from."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 def parse_bool(name: str, raw: str | None, default: bool = False, blank_is_unset: bool = True) -> bool:
@@ -45,7 +73,7 @@ def parse_bool(name: str, raw: str | None, default: bool = False, blank_is_unset
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not a boolean: use one of true/false, 1/0, yes/no, on/off")
+    raise SettingError(name, f"{name}={raw!r} is not a boolean: use one of true/false, 1/0, yes/no, on/off")
 
 
 def parse_bool_env(name: str, default: bool = False) -> bool:
@@ -66,16 +94,167 @@ def flag(argument: str, value: object, env: str, default: bool = False) -> bool:
         return bool(value)
     if isinstance(value, str):
         return parse_bool(argument, value, blank_is_unset=False)  # "" passed on says nothing: refused
-    raise TypeError(f"{argument} must be True, False or None, not {value!r}")
+    raise SettingError(argument, f"{argument} must be True, False or None, not {value!r}")
 
 
-def _patterns(value: Patterns | None, env: str) -> tuple[HostPattern, ...]:
-    if value is None:
+_FUNCTION = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+
+
+class _Reader:
+    """Reads settings from arguments or, for each argument left ``None``, its variable.
+
+    Strict (``configure()``): the first bad one raises a ``SettingError``. Lenient (zero-code mode):
+    a bad variable, or a bad entry of a list variable, is one warning in ``warnings`` and is left out.
+    """
+
+    def __init__(self, lenient: bool) -> None:
+        self.lenient = lenient
+        self.warnings: list[str] = []
+
+    def _fail(self, name: str, message: str, consequence: str) -> None:
+        if not self.lenient:
+            raise SettingError(name, message)
+        self.warnings.append(
+            f"otel-session: {message} ({name}); {consequence}, the rest is delivered as usual"
+        )
+
+    def _items(self, value: object, name: str) -> list[str]:
+        if isinstance(value, str):
+            return [item for item in value.split(",") if item.strip()]
         try:
-            return parse_patterns(os.environ.get(env))
-        except ValueError as exc:
-            raise ValueError(f"{env}: {exc}") from None
-    return parse_patterns(value)
+            items: list[str] = list(value)  # type: ignore[call-overload]
+        except TypeError:
+            raise SettingError(
+                name, f"{name} must be a list of strings, not {type(value).__name__}"
+            ) from None
+        return items
+
+    def patterns(self, value: Patterns | None, argument: str, env: str) -> tuple[HostPattern, ...]:
+        """Host patterns, entry by entry: a variable's bad entry is left out (lenient) or raises."""
+        name = argument if value is not None else env
+        items = self._items(value if value is not None else os.environ.get(env, ""), name)
+        found = []
+        for item in items:
+            try:
+                found.append(HostPattern.parse(item))
+            except (TypeError, ValueError) as exc:
+                message = str(exc) if value is not None else f"{env}: {exc}"
+                if value is not None:
+                    raise SettingError(argument, message) from None
+                self._fail(env, message, "that entry is left out")
+        return tuple(found)
+
+    def routes(
+        self, dynamo_hosts: Patterns | None, routers: Routers | None
+    ) -> list[tuple[Profile, HostPattern]]:
+        routes = [(DYNAMO, p) for p in self.patterns(dynamo_hosts, "dynamo_hosts", ENV_DYNAMO_HOSTS)]
+        if routers is None:
+            try:
+                routers = parse_routers(os.environ.get(ENV_ROUTERS, ""))
+            except SettingError as exc:
+                self._fail(ENV_ROUTERS, str(exc), "no router is configured from it")
+                return routes
+            name = ENV_ROUTERS
+        else:
+            name = "routers"
+        if not isinstance(routers, Mapping):
+            raise SettingError(
+                "routers", f"routers must be a mapping of profile -> patterns, not {type(routers).__name__}"
+            )
+        for profile_name, patterns in routers.items():
+            try:
+                profile = profile_named(profile_name)
+                routes.extend((profile, pattern) for pattern in parse_patterns(patterns))
+            except (TypeError, ValueError) as exc:
+                message = f"{ENV_ROUTERS}: {exc}" if name == ENV_ROUTERS else str(exc)
+                if name != ENV_ROUTERS:
+                    raise SettingError(name, message) from None
+                self._fail(name, message, f"router {profile_name!r} is not configured")
+        return routes
+
+    def flag(
+        self, argument: str, value: object, env: str, default: bool, fallback: bool, meaning: str
+    ) -> bool:
+        try:
+            return flag(argument, value, env, default)
+        except SettingError as exc:
+            if value is not None:
+                raise
+            self._fail(env, str(exc), meaning)
+            return fallback
+
+    def adopt(self) -> tuple[str, str] | None:
+        """``OTEL_SESSION_ADOPT``; a bad value is a warning and adopts nothing, even when strict: a
+        server must keep serving whatever it says."""
+        raw = os.environ.get(ENV_ADOPT, "")
+        if not raw.strip():
+            return None
+        kind, sep, name = raw.strip().partition(":")
+        kind, name = kind.strip().lower(), name.strip()
+        if (
+            sep
+            and kind in ("session", "cookie")
+            and name
+            and not any(c.isspace() or c in ",;=" for c in name)
+        ):
+            return kind, name
+        self.warnings.append(
+            f"otel-session: {ENV_ADOPT}={raw!r} is not understood, so no server-side session ID is adopted; "
+            "use session:KEY (request.session[KEY], e.g. session:session_id for NeMo-Gym) or cookie:NAME"
+        )
+        return None
+
+    def functions(self, value: Iterable[str] | str | None) -> tuple[str, ...]:
+        """``module:Qualified.name`` entries; a bad one raises (an argument) or is left out (a variable)."""
+        name = "trajectory_functions" if value is not None else ENV_TRAJECTORY_FUNCTIONS
+        found: list[str] = []
+        for item in self._items(value if value is not None else os.environ.get(name, ""), name):
+            text = item.strip() if isinstance(item, str) else ""
+            if _FUNCTION.fullmatch(text):
+                found.append(text)
+                continue
+            message = f"{name}: {item!r} is not module:Qualified.name (e.g. my_rl.rollouts:Agent.run_episode)"
+            if value is not None:
+                raise SettingError(name, message)
+            self._fail(name, message, "that entry is left out")
+        return tuple(dict.fromkeys(found))
+
+
+def build(
+    dynamo_hosts: Patterns | None = None,
+    trusted_hosts: Patterns | None = None,
+    tracing: object = None,
+    routers: Routers | None = None,
+    end_sessions: object = None,
+    servers: object = None,
+    trajectory_functions: Iterable[str] | str | None = None,
+    *,
+    lenient: bool = False,
+    servers_default: bool = False,
+) -> tuple[Settings, list[str]]:
+    """Settings from arguments, each missing one read from its ``OTEL_SESSION_*`` variable, and the
+    warnings to log (once no lock is held: a handler of the application's may call back into us)."""
+    reader = _Reader(lenient)
+    routes = reader.routes(dynamo_hosts, routers)
+    trusted = reader.patterns(trusted_hosts, "trusted_hosts", ENV_TRUSTED_HOSTS)
+    settings = Settings(
+        HostRules(routes, trusted),
+        tracing=reader.flag("tracing", tracing, ENV_TRACING, False, False, "tracing stays off"),
+        end_sessions=reader.flag(
+            "end_sessions", end_sessions, ENV_END_SESSIONS, False, False, "sessions are not ended explicitly"
+        ),
+        servers=reader.flag(
+            "servers",
+            servers,
+            ENV_SERVERS,
+            servers_default,
+            servers_default,
+            "servers are instrumented" if servers_default else "servers are not instrumented",
+        ),
+        adopt=reader.adopt(),
+        trajectory_functions=reader.functions(trajectory_functions),
+    )
+    return settings, reader.warnings
 
 
 def parse_routers(text: str, name: str = ENV_ROUTERS) -> dict[str, str]:
@@ -86,47 +265,14 @@ def parse_routers(text: str, name: str = ENV_ROUTERS) -> dict[str, str]:
             continue
         profile, sep, patterns = entry.partition("=")
         if not sep or not profile.strip() or not patterns.strip():
-            raise ValueError(
+            raise SettingError(
+                name,
                 f"{name}: {entry.strip()!r} is not PROFILE=PATTERN[,PATTERN...] "
-                "(entries separated by ';', e.g. 'vllm-router=10.0.0.5:8000;smg=*.gateway.internal')"
+                "(entries separated by ';', e.g. 'vllm-router=10.0.0.5:8000;smg=*.gateway.internal')",
             )
         key = profile.strip()
         routers[key] = f"{routers[key]},{patterns}" if key in routers else patterns
     return routers
-
-
-def _routes(dynamo_hosts: Patterns | None, routers: Routers | None) -> list[tuple[Profile, HostPattern]]:
-    routes = [(DYNAMO, pattern) for pattern in _patterns(dynamo_hosts, ENV_DYNAMO_HOSTS)]
-    env_routers = routers is None
-    if env_routers:
-        routers = parse_routers(os.environ.get(ENV_ROUTERS, ""))
-    assert routers is not None
-    if not isinstance(routers, Mapping):
-        raise TypeError(f"routers must be a mapping of profile -> patterns, not {type(routers).__name__}")
-    for name, patterns in routers.items():
-        try:
-            profile = profile_named(name)
-            routes.extend((profile, pattern) for pattern in parse_patterns(patterns))
-        except ValueError as exc:
-            raise ValueError(f"{ENV_ROUTERS}: {exc}" if env_routers else str(exc)) from None
-    return routes
-
-
-def build_settings(
-    dynamo_hosts: Patterns | None = None,
-    trusted_hosts: Patterns | None = None,
-    tracing: bool | None = None,
-    routers: Routers | None = None,
-    end_sessions: bool | None = None,
-) -> Settings:
-    """Settings from arguments, each missing one read from its ``OTEL_SESSION_*`` variable."""
-    routes = _routes(dynamo_hosts, routers)
-    trusted = _patterns(trusted_hosts, ENV_TRUSTED_HOSTS)
-    return Settings(
-        HostRules(routes, trusted),
-        flag("tracing", tracing, ENV_TRACING),
-        flag("end_sessions", end_sessions, ENV_END_SESSIONS),
-    )
 
 
 # The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``.

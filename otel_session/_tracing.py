@@ -31,6 +31,7 @@ import atexit
 import importlib
 import importlib.util
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -49,14 +50,6 @@ INSTALL_HINT = (
 
 _TRACER_NAME = "otel_session"
 _NOOP_TRACER = trace.NoOpTracer()
-# (client library, instrumentation module, instrumentor class): each used when both are installed.
-_INSTRUMENTORS = (
-    ("httpx", "opentelemetry.instrumentation.httpx", "HTTPXClientInstrumentor"),
-    ("httpx2", "opentelemetry.instrumentation.httpx", "HTTPX2ClientInstrumentor"),
-    ("aiohttp", "opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor"),
-)
-
-
 _lock = threading.Lock()
 _provider: TracerProvider | None = None  # created at the first tracing-on, kept for the process
 _outlet: Outlet | None = None
@@ -66,15 +59,18 @@ _instrumented: list[Any] = []
 _exit_hook_registered = False
 
 
-def apply(enabled: bool) -> None:
+def apply(enabled: bool, upstream: Sequence[tuple[str, str]] = ()) -> None:
     """Turn trace export on or off; turning it on while it is on keeps the running pipeline.
+
+    ``upstream``: the (module, class) of each upstream client instrumentation to record client spans
+    with our provider while on (those of the clients otel-session instruments).
 
     Raises ``ImportError`` (naming the extra to install) or ``ValueError`` (an unusable
     ``OTEL_EXPORTER_OTLP_*`` protocol) before anything changes.
     """
     with _lock:
         if enabled and _tracer is None:
-            _start()
+            _start(upstream)
         elif not enabled and _tracer is not None:
             _stop()
 
@@ -104,7 +100,7 @@ def provider() -> TracerProvider | None:
     return _provider
 
 
-def _start() -> None:
+def _start(upstream: Sequence[tuple[str, str]]) -> None:
     global _provider, _outlet, _tracer, _owns_global, _exit_hook_registered
     try:
         from opentelemetry.sdk.resources import Resource
@@ -128,7 +124,7 @@ def _start() -> None:
         _owns_global = trace.get_tracer_provider() is _provider
     _outlet.connect(exporter)
     _quiet(_provider, False)
-    _instrumented[:] = _instrument_clients(_provider)
+    _instrumented[:] = _instrument_clients(_provider, upstream)
     _tracer = _provider.get_tracer(_TRACER_NAME)
     if not _exit_hook_registered:
         atexit.register(_at_exit)
@@ -177,16 +173,14 @@ def _at_exit() -> None:
             _stop()
 
 
-def _instrument_clients(tracer_provider: TracerProvider) -> list[Any]:
+def _instrument_clients(tracer_provider: TracerProvider, upstream: Sequence[tuple[str, str]]) -> list[Any]:
     """Client spans from the upstream instrumentors, with our provider; returns those to undo later.
 
     One already instrumented by someone else (``opentelemetry-instrument``, the application) is left
     as it is, with its provider, and not undone by us.
     """
     done = []
-    for library, module, class_name in _INSTRUMENTORS:
-        if importlib.util.find_spec(library) is None:
-            continue
+    for module, class_name in upstream:
         try:
             instrumentor = getattr(importlib.import_module(module), class_name)()
         except (ImportError, AttributeError):
@@ -196,7 +190,7 @@ def _instrument_clients(tracer_provider: TracerProvider) -> list[Any]:
         try:
             instrumentor.instrument(tracer_provider=tracer_provider)
         except Exception as exc:
-            _faults.report(f"instrumenting {library} for client spans", exc)
+            _faults.report(f"instrumenting {class_name} for client spans", exc)
             continue
         if instrumentor.is_instrumented_by_opentelemetry:
             done.append(instrumentor)

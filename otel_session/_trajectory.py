@@ -1,22 +1,29 @@
-"""``trajectory()``: one attempt, one session, as a context manager or a decorator.
+"""``trajectory()``: one attempt, one session, as a context manager, a decorator or a named boundary.
 
 Entering attaches a context whose baggage carries the session and whose current span is the
 trajectory span; leaving detaches that exact token, so the caller's context comes back unchanged
 even after an exception or a cancellation. With ``end_sessions`` on, the context also holds the set
 of routers the trajectory's requests reached, and leaving tells each of them the session is over
 (``_session_end``), on success, error and cancellation alike.
+
+As a decorator (and for functions named as boundaries, ``as_attempt``) every call is one attempt,
+whatever the function returns: a coroutine is awaited inside it, and a generator or async generator
+is one attempt for as long as it is iterated. The attempt's context is attached only while the
+generator's own code runs, never between its items, where the consumer's code runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
@@ -32,9 +39,14 @@ class trajectory:
 
     Each entry is a new attempt with a fresh UUID4, unless ``session_id`` adopts an existing stable
     ID (NeMo-Gym's per-episode UUID, say). Opened inside another trajectory it gets a new ID of its
-    own, and its requests to Dynamo name the outer one as parent. As a decorator every call of the
-    function is a new attempt.
+    own, and its requests to Dynamo name the outer one as parent. As a decorator, with or without
+    parentheses, every call of the function is a new attempt.
     """
+
+    def __new__(cls, session_id: Any = None, **kwargs: Any) -> Any:
+        if callable(session_id) and not isinstance(session_id, str):  # ``@trajectory`` without ()
+            return cls()(session_id)
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -59,6 +71,7 @@ class trajectory:
         self._token: object | None = None
         self._span: Span | None = None
         self._visits: set[_session_end.Visit] | None = None
+        self._context: Context | None = None
         self.session_id: str | None = None
         self.parent_session_id: str | None = None
 
@@ -67,15 +80,16 @@ class trajectory:
         """The trajectory span (non-recording while tracing is off)."""
         return self._span if self._span is not None else trace.INVALID_SPAN
 
-    def _fresh(self) -> trajectory:
+    def _fresh(self, attributes: Mapping[str, AttributeValue] | None = None) -> trajectory:
         """An unentered copy, so one decorator serves many concurrent calls."""
-        clone = trajectory.__new__(trajectory)
+        clone: trajectory = object.__new__(trajectory)
         clone.__dict__.update(self.__dict__)
-        clone._attributes = dict(self._attributes)
+        clone._attributes = {**self._attributes, **(attributes or {})}
         return clone
 
-    def __enter__(self) -> trajectory:
-        if self._token is not None:
+    def _begin(self) -> Context:
+        """Start the attempt: its session, span and context, not attached yet."""
+        if self._context is not None:
             raise RuntimeError("this trajectory is already running; open a new otel_session.trajectory()")
         current = otel_context.get_current()
         parent, grandparent = session_ids(current)
@@ -97,6 +111,11 @@ class trajectory:
         self.session_id, self.parent_session_id = session, parent
         ctx = trace.set_span_in_context(span, ctx)
         _hop.entered(ctx, session, parent, span)
+        self._context = ctx
+        return ctx
+
+    def __enter__(self) -> trajectory:
+        ctx = self._begin()
         self._token = otel_context.attach(ctx)  # last: nothing after it can fail and leave it attached
         return self
 
@@ -106,24 +125,7 @@ class trajectory:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        visits = self._leave(exc)
-        if visits and self.session_id is not None:
-            _session_end.finish(self.session_id, self.parent_session_id, visits)
-
-    def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:
-        """Detach and end the span; returns the routers to tell the session is over (at most once)."""
-        token, span, visits = self._token, self._span, self._visits
-        self._token, self._visits = None, None
-        try:
-            if span is not None and exc is not None and span.is_recording():
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-        finally:
-            if token is not None:
-                otel_context.detach(token)  # type: ignore[arg-type]
-            if span is not None:
-                span.end()
-        return visits
+        self._end(exc)
 
     async def __aenter__(self) -> trajectory:
         return self.__enter__()
@@ -134,23 +136,205 @@ class trajectory:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        await self._end_async(exc)
+
+    def _end(self, exc: BaseException | None) -> None:
+        visits = self._leave(exc)
+        if visits and self.session_id is not None:
+            _session_end.finish(self.session_id, self.parent_session_id, visits)
+
+    async def _end_async(self, exc: BaseException | None) -> None:
         visits = self._leave(exc)
         if visits and self.session_id is not None:
             await _session_end.finish_async(self.session_id, self.parent_session_id, visits)
 
+    def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:
+        """Detach and end the span; returns the routers to tell the session is over (at most once)."""
+        token, span, visits = self._token, self._span, self._visits
+        self._token, self._visits, self._context = None, None, None
+        try:
+            if span is not None and exc is not None and span.is_recording():
+                _record_failure(span, exc)
+        finally:
+            if token is not None:
+                otel_context.detach(token)  # type: ignore[arg-type]
+            if span is not None:
+                span.end()
+        return visits
+
     def __call__(self, func: _F) -> _F:
-        if inspect.iscoroutinefunction(func):
+        """Every call of ``func`` is a new attempt (see ``as_attempt``); the decorated function keeps
+        ``func``'s kind, so frameworks that inspect it (coroutine, generator) still see what it is."""
+        if inspect.isasyncgenfunction(func):
+
+            @functools.wraps(func)
+            async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
+                attempt = self._fresh()
+                ctx = attempt._begin()
+                async for item in _async_generator_in(
+                    attempt, ctx, _call_in(attempt, ctx, func, args, kwargs)
+                ):
+                    yield item
+
+            return cast(_F, run_async_generator)
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def run_generator(*args: Any, **kwargs: Any) -> Any:
+                attempt = self._fresh()
+                ctx = attempt._begin()
+                return (yield from _generator_in(attempt, ctx, _call_in(attempt, ctx, func, args, kwargs)))
+
+            return cast(_F, run_generator)
+        if _is_async_callable(func):
 
             @functools.wraps(func)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                async with self._fresh():
-                    return await func(*args, **kwargs)
+                attempt = self._fresh()
+                ctx = attempt._begin()
+                return await _awaited_in(attempt, ctx, _call_in(attempt, ctx, func, args, kwargs))
 
             return cast(_F, run_async)
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
-            with self._fresh():
-                return func(*args, **kwargs)
+            return as_attempt(self, func, args, kwargs)
 
         return cast(_F, run)
+
+
+def _is_async_callable(func: object) -> bool:
+    """A coroutine function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(func) or (
+        not inspect.isfunction(func) and inspect.iscoroutinefunction(type(func).__dict__.get("__call__"))
+    )
+
+
+def as_attempt(
+    template: trajectory, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Call ``func`` as one new attempt of ``template``, whatever it returns: a coroutine is awaited
+    inside the attempt, a generator or async generator is one attempt for as long as it is iterated,
+    anything else ends the attempt as the call returns or raises."""
+    attempt = template._fresh()
+    ctx = attempt._begin()
+    result = _call_in(attempt, ctx, func, args, kwargs)
+    if inspect.iscoroutine(result):
+        return _awaited_in(attempt, ctx, result)
+    if inspect.isgenerator(result):
+        return _generator_in(attempt, ctx, result)
+    if inspect.isasyncgen(result):
+        return _async_generator_in(attempt, ctx, result)
+    attempt._end(None)
+    return result
+
+
+def _call_in(attempt: trajectory, ctx: Context, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` with ``ctx`` attached; a failure ends the attempt."""
+    token = otel_context.attach(ctx)
+    try:
+        result = func(*args, **kwargs)
+    except BaseException as exc:
+        otel_context.detach(token)
+        attempt._end(exc)
+        raise
+    otel_context.detach(token)
+    return result
+
+
+async def _awaited_in(attempt: trajectory, ctx: Context, awaitable: Awaitable[Any]) -> Any:
+    """Await ``awaitable`` with ``ctx`` attached, as the rest of the attempt."""
+    failure: BaseException | None = None
+    token = otel_context.attach(ctx)
+    try:
+        return await awaitable
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        otel_context.detach(token)
+        await attempt._end_async(failure)
+
+
+def _generator_in(
+    attempt: trajectory, ctx: Context, generator: Generator[Any, Any, Any]
+) -> Generator[Any, Any, Any]:
+    """Iterate ``generator`` as the rest of the attempt, ``ctx`` attached only while its code runs."""
+    failure: BaseException | None = None
+    step: Callable[[Any], Any] = generator.send
+    value: Any = None
+    try:
+        while True:
+            token = otel_context.attach(ctx)
+            try:
+                item = step(value)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                otel_context.detach(token)
+            try:
+                value, step = (yield item), generator.send
+            except GeneratorExit:
+                token = otel_context.attach(ctx)
+                try:
+                    generator.close()
+                finally:
+                    otel_context.detach(token)
+                raise
+            except BaseException as exc:
+                value, step = exc, generator.throw
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        attempt._end(failure)
+
+
+async def _async_generator_in(
+    attempt: trajectory, ctx: Context, generator: AsyncGenerator[Any, Any]
+) -> AsyncGenerator[Any, Any]:
+    """``_generator_in`` for an async generator."""
+    failure: BaseException | None = None
+    step: Callable[[Any], Awaitable[Any]] = generator.asend
+    value: Any = None
+    try:
+        while True:
+            token = otel_context.attach(ctx)
+            try:
+                item = await step(value)
+            except StopAsyncIteration:
+                return
+            finally:
+                otel_context.detach(token)
+            try:
+                value, step = (yield item), generator.asend
+            except GeneratorExit:
+                token = otel_context.attach(ctx)
+                try:
+                    await generator.aclose()
+                finally:
+                    otel_context.detach(token)
+                raise
+            except BaseException as exc:
+                value, step = exc, generator.athrow
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        await attempt._end_async(failure)
+
+
+def _record_failure(span: Span, exc: BaseException) -> None:
+    """Record ``exc`` on the span; an exception that cannot even be printed is recorded by its type
+    only. Nothing raised here may replace the caller's own exception."""
+    try:
+        span.record_exception(exc)
+    except Exception:
+        with contextlib.suppress(Exception):
+            span.add_event("exception", {"exception.type": type(exc).__qualname__})
+    with contextlib.suppress(Exception):
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))

@@ -26,16 +26,15 @@ from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_CONFIGURATOR
 from opentelemetry.util._importlib_metadata import EntryPoint
 
-from otel_session import _environment, _settings
+from otel_session import _config, _environment, _settings
 
 ENTRY_POINT_NAME = "otel_session"
-# Instrumentors otel-session runs itself: with tracing off its lean hooks do the propagation (theirs
-# would only add cost), with tracing on configure() has already instrumented them with its provider.
-CLIENT_INSTRUMENTORS = frozenset({"httpx", "httpx2", "aiohttp-client"})
 
 
 class SessionDistro(BaseDistro):  # type: ignore[misc]
-    """Configures otel-session, then loads every instrumentor except the HTTP-client ones it runs."""
+    """Configures otel-session, then loads every other instrumentor: not ours (``configure()`` ran those
+    it was asked for) nor the upstream client ones ours stand in for (with tracing off they would only
+    add cost; with tracing on ``configure()`` instrumented them with its provider)."""
 
     def _configure(self, **kwargs: Any) -> None:
         # The configurator runs after this; without a name the first one installed would win.
@@ -44,7 +43,9 @@ class SessionDistro(BaseDistro):  # type: ignore[misc]
             _environment.configure_from_environment()
 
     def load_instrumentor(self, entry_point: EntryPoint, **kwargs: Any) -> None:
-        if entry_point.name in CLIENT_INSTRUMENTORS:
+        if entry_point.name in _config.instrumentors():
+            return
+        if any(entry_point.name in kind.replaces for kind in _config.instrumentors().values()):
             return
         super().load_instrumentor(entry_point, **kwargs)
 

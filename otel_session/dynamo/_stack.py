@@ -6,9 +6,11 @@ file-based discovery in a fresh run directory, TCP request plane and a loopback 
 Dynamo may live in another interpreter (``python=``, or ``OTEL_SESSION_DYNAMO_PYTHON``): that is how
 the stack runs the Dynamo a framework pins (NeMo-RL: 1.3.0.post1) next to this package's 1.6.1.
 
-Process hygiene is the point of most of this code: every process is started by us, into one process
-group led by our broker (so the group holds only our processes), stopped by PID with SIGTERM then
-SIGKILL, and the broker doubles as a watchdog that cleans up if this Python process dies abruptly.
+Why one module of some 700 lines: it is one class, :class:`LocalDynamo`, whose parts share its
+state and only make sense together (spawning, readiness, stopping, fault injection), and most of it
+is process hygiene: every process is started by us, into one process group led by our broker (so the
+group holds only our processes), stopped by PID with SIGTERM then SIGKILL, and the broker doubles as
+a watchdog that cleans up if this Python process dies abruptly.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from . import _checks
 from ._install import DYNAMO_VERSION, DynamoInstallError, ensure_dynamo_installed
 from ._model import ensure_model_dir
 from ._ports import reserve_port
@@ -51,6 +54,15 @@ ENV_DYNAMO_PYTHON = "OTEL_SESSION_DYNAMO_PYTHON"
 _AFFINITY_MODE_SINCE = (1, 5)
 
 Role = Literal["broker", "worker", "frontend"]
+_T = TypeVar("_T")
+
+
+def _checked(name: str, check: Callable[..., _T], value: object, *args: Any) -> _T:
+    """``check(value, *args)``, its :class:`ValueError` put as one line naming the argument."""
+    try:
+        return check(value, *args)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 class DynamoStartError(RuntimeError):
@@ -186,6 +198,12 @@ class LocalDynamo:
     affinity mode flag: there ``affinity_mode`` must stay ``"hard"`` and is not passed.
     ``startup_timeout`` counts from the first process spawned: installing Dynamo and building the
     model directory come before it.
+
+    Arguments are checked here, with the same checks as the ``otel-session`` command: ``router_mode``
+    one of :data:`~otel_session.dynamo._checks.ROUTER_MODES`, ``affinity_mode`` ``"hard"`` or
+    ``"soft"``, ``port`` 1-65535 or ``None``; a mistake is a one-line :class:`ValueError` naming the
+    argument. A ``port`` somebody already listens on is a :class:`DynamoStartError` from :meth:`start`,
+    before anything is spawned.
     """
 
     def __init__(
@@ -211,19 +229,15 @@ class LocalDynamo:
         auto_install: bool = True,
         python: str | None = None,
     ) -> None:
-        if workers < 1 or frontends < 1:
-            raise ValueError("need at least one worker and one frontend")
-        if affinity_ttl_secs is not None and not 1 <= affinity_ttl_secs <= 31_536_000:
-            raise ValueError("affinity_ttl_secs must be None (off) or 1..31536000 (Dynamo's range)")
-        self.num_workers = workers
-        self.router_mode = router_mode
-        self.affinity_ttl_secs = affinity_ttl_secs
-        self.affinity_mode = affinity_mode
+        self.num_workers = _checked("workers", _checks.whole_number, workers, 1)
+        self.num_frontends = _checked("frontends", _checks.whole_number, frontends, 1)
+        self.router_mode = _checked("router_mode", _checks.router_mode, router_mode)
+        self.affinity_ttl_secs = _checked("affinity_ttl_secs", _checks.affinity_ttl, affinity_ttl_secs)
+        self.affinity_mode = _checked("affinity_mode", _checks.affinity_mode, affinity_mode)
+        self.requested_port = _checked("port", _checks.port, port)
         self.model_name = model_name
         self.block_size = block_size
         self.speedup_ratio = speedup_ratio
-        self.requested_port = port
-        self.num_frontends = frontends
         self.frontend_args = list(frontend_args)
         self.worker_args = list(worker_args)
         self.namespace = namespace
@@ -329,6 +343,7 @@ class LocalDynamo:
         with self._lock:
             if self._started:
                 return self
+            self._check_port()
             self.dynamo_version = self._check_dynamo()
             model_dir = self.model_dir or ensure_model_dir(self.model_cache_dir)
             began = time.monotonic()  # install and model build above do not count against the timeout
@@ -350,6 +365,15 @@ class LocalDynamo:
                 raise
             self.startup_seconds = time.monotonic() - began
             return self
+
+    def _check_port(self) -> None:
+        """A fixed port somebody already listens on is one line, before anything is installed or spawned
+        (Dynamo's own answer comes only after the stack has started, in its log)."""
+        if self.requested_port is None:
+            return
+        problem = _checks.port_unavailable(LOOPBACK, self.requested_port)
+        if problem:
+            raise DynamoStartError(f"port: {problem}; pass another port, or port=None for a free one")
 
     def _check_dynamo(self) -> str:
         """Which Dynamo will run, installing this interpreter's on first use; checked before any spawn."""

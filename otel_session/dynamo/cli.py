@@ -7,8 +7,13 @@ and one verdict line. ``--base-url`` does the same against a deployment you alre
 tells whether that deployment pins sessions and, if not, what to change.
 
 Every flag and every ``OTEL_SESSION_*`` variable is checked before anything starts: a mistake is one
-line naming it and what it accepts, exit code 2. Missing packages are named with the one command that
-installs them, before any stack or install begins.
+line naming it and what it accepts, exit code 2 (the flags shared with :class:`LocalDynamo` by the same
+checks, ``_checks``). Missing packages are named with the one command that installs them, before any
+stack or install begins.
+
+Why one module of some 500 lines: it is the whole command, each part written for this command only
+(flags, up-front checks, progress, the side-by-side table, the three subcommands); the work itself
+is in ``workload`` and ``doctor``.
 """
 
 from __future__ import annotations
@@ -27,15 +32,15 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from urllib.parse import urlsplit
 
 import otel_session
+from otel_session.dynamo import _checks
 
 if TYPE_CHECKING:  # imported when a run starts: a usage mistake is answered without loading them
     from otel_session.dynamo.workload import Summary, TrajectoryResult, Workload
 
-#: Router modes of Dynamo's frontend that work with the mocker workers of the local stack.
-ROUTERS = ("round-robin", "random", "kv", "least-loaded", "power-of-two")
 _LOCAL_ONLY = ("workers", "router", "affinity_ttl")
 _ENV_DYNAMO_HOSTS = "OTEL_SESSION_DYNAMO_HOSTS"
-_FALLBACK_CLI_REQUIREMENTS = ("openai>=1.40", "httpx>=0.27")
+#: The modules the command needs beyond the library, and the distribution that provides each.
+_CLI_MODULES = {"openai": "openai", "httpx2": "httpx2"}
 
 
 class UsageError(Exception):
@@ -53,28 +58,31 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _whole(low: int, high: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text!r}")
-        return value
+def _flag(check: Any, *args: Any) -> Any:
+    """An argparse ``type=`` that runs one of the checks ``LocalDynamo`` runs (``_checks``): the same
+    rule and words on the command line as in Python, argparse adding the flag's name."""
 
+    def parse(text: str) -> Any:
+        try:
+            return check(text, *args)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = check.__name__  # argparse names the type in some of its own messages
     return parse
 
 
-def _base_url(text: str) -> str:
+def _whole_text(text: str, low: int, high: int) -> int:
+    """A whole number given as text: anything ``int()`` cannot read is refused as itself."""
     try:
-        parts = urlsplit(text.strip())
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:  # "http://[::1", "http://h:99999"
-        parts, port_ok = urlsplit(""), False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok or " " in text.strip():
-        raise argparse.ArgumentTypeError(f"expected a URL like http://dynamo:8000/v1, got {text!r}")
-    return text.strip().rstrip("/")
+        value: object = int(text)
+    except ValueError:
+        value = text
+    return _checks.whole_number(value, low, high)
+
+
+def _whole(low: int, high: int) -> Any:
+    return _flag(_whole_text, low, high)
 
 
 def _model(text: str) -> str:
@@ -99,16 +107,22 @@ def _check_environment() -> None:
         otel_session.unconfigure()
 
 
-def _cli_requirements() -> list[str]:
-    """The ``cli`` extra's requirements, from this install's own metadata (so they match pyproject)."""
+def _requirement(distribution: str) -> str:
+    """What to pip-install for ``distribution``: the ``cli`` extra's requirement for it when the extra
+    names it (this install's own metadata, so it matches pyproject), else the bare name."""
     import importlib.metadata
+    import re
 
     try:
         requires = importlib.metadata.requires("otel-session") or []
     except importlib.metadata.PackageNotFoundError:
-        return list(_FALLBACK_CLI_REQUIREMENTS)
-    found = [r.split(";")[0].strip() for r in requires if "extra" in r and '"cli"' in r.split(";", 1)[1]]
-    return found or list(_FALLBACK_CLI_REQUIREMENTS)
+        requires = []
+    for requirement in requires:
+        spec, _, marker = requirement.partition(";")
+        name = re.split(r"[\s\[<>=!~;]", spec.strip(), maxsplit=1)[0]
+        if re.search(r"extra\s*==\s*['\"]cli['\"]", marker) and name.lower() == distribution.lower():
+            return spec.strip()
+    return distribution
 
 
 def _importable(module: str) -> bool:
@@ -119,11 +133,13 @@ def _importable(module: str) -> bool:
 
 
 def _check_clients() -> None:
-    """The openai SDK (and httpx2 under it) must be there before a stack starts, not after."""
-    missing = [m for m in ("openai", "httpx2") if not _importable(m)]
+    """The openai SDK (and httpx2 under it) must be there before a stack starts, not after; the
+    command offered installs exactly what is missing."""
+    missing = [module for module in _CLI_MODULES if not _importable(module)]
     if missing:
-        command = shlex.join([sys.executable, "-m", "pip", "install", *_cli_requirements()])
-        raise RunError(f"{' and '.join(missing)} not installed (the `cli` extra); install with: {command}")
+        wanted = [_requirement(_CLI_MODULES[module]) for module in missing]
+        command = shlex.join([sys.executable, "-m", "pip", "install", *wanted])
+        raise RunError(f"{' and '.join(missing)} not installed; install with: {command}")
 
 
 def _check_local_dynamo() -> str:
@@ -206,6 +222,16 @@ def _ttft(summary: Summary) -> str:
     return f"{summary.mean_ttft_ms:.0f} / {summary.p90_ttft_ms:.0f} ms"
 
 
+def _ttft_change(with_sessions: float, without: float) -> str:
+    """Mean TTFT with sessions against without, the direction in words: "TTFT 1.3x faster with
+    sessions" (without / with), "TTFT 1.3x slower with sessions" (with / without), or "about the same"
+    when the larger is under 1.05 times the smaller (it would print as 1.0x)."""
+    ratio = max(with_sessions, without) / min(with_sessions, without)
+    if f"{ratio:.1f}" == "1.0":
+        return "TTFT about the same with sessions (within 5%)"
+    return f"TTFT {ratio:.1f}x {'faster' if with_sessions < without else 'slower'} with sessions"
+
+
 @dataclass
 class Verdict:
     """What the two runs showed, as one line and an exit code."""
@@ -219,7 +245,7 @@ class Verdict:
         if on.hit_rate is not None and off.hit_rate is not None:
             parts.append(f"hit rate {_percent(on.hit_rate)} vs {_percent(off.hit_rate)}")
         if on.mean_ttft_ms and off.mean_ttft_ms:
-            parts.append(f"TTFT {off.mean_ttft_ms / on.mean_ttft_ms:.1f}x")
+            parts.append(_ttft_change(on.mean_ttft_ms, off.mean_ttft_ms))
         pinned = on.errors == 0 and on.pinned == on.trajectories > 0
         if off.pinned == off.trajectories > 0:
             parts.append("without sessions pinned too, so this run cannot tell them apart (more workers?)")
@@ -443,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
         "every trajectory stays on one Dynamo worker. With no arguments a local Dynamo stack is started.",
     )
     parser.add_argument(
-        "--base-url", type=_base_url, help="an existing Dynamo frontend, e.g. http://dynamo:8000/v1"
+        "--base-url",
+        type=_flag(_checks.base_url),
+        help="an existing Dynamo frontend, e.g. http://dynamo:8000/v1",
     )
     parser.add_argument("--model", type=_model, help="model name (default: the first one the frontend lists)")
     parser.add_argument("--prompts", type=_whole(1, 1000), default=3, help="prompts in the batch (default 3)")
@@ -455,9 +483,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=_whole(1, 10_000), default=16, help="trajectories in flight (default 16)"
     )
     parser.add_argument("--workers", type=_whole(1, 16), help="local stack: mocker workers (default 4)")
-    parser.add_argument("--router", choices=ROUTERS, help="local stack: router mode (default round-robin)")
     parser.add_argument(
-        "--affinity-ttl", type=_whole(1, 31_536_000), help="local stack: affinity TTL seconds (default 300)"
+        "--router",
+        type=_flag(_checks.router_mode),
+        metavar="{" + ",".join(_checks.ROUTER_MODES) + "}",
+        help="local stack: router mode (default round-robin)",
+    )
+    parser.add_argument(
+        "--affinity-ttl",
+        type=_whole(*_checks.AFFINITY_TTL_RANGE),
+        help="local stack: affinity TTL seconds (default 300)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -467,7 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="check that a Dynamo deployment pins sessions, and say how to fix it"
     )
     doctor.add_argument(
-        "--base-url", type=_base_url, required=True, help="the Dynamo frontend, e.g. http://dynamo:8000/v1"
+        "--base-url",
+        type=_flag(_checks.base_url),
+        required=True,
+        help="the Dynamo frontend, e.g. http://dynamo:8000/v1",
     )
     doctor.add_argument("--model", type=_model, help="model name (default: the first one the frontend lists)")
     doctor.add_argument(

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import otel_session
 from otel_session import SESSION_HEADER, trajectory
+from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
 from otel_session.dynamo.sizing import sizing_note
-from otel_session.dynamo import NVEXT_EXTRA_BODY, worker_id_of
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -83,10 +83,18 @@ def _recording_transport(sent: list[tuple[bool, str | None]]) -> Any:
 
 
 def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sessions: int = 3) -> Report:
-    """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``)."""
+    """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``).
+
+    A URL that is not one, or that carries credentials (``user:password@``), is a :class:`ValueError`
+    that does not repeat them: the report prints the URL.
+    """
     import httpx2
     import openai
 
+    try:
+        base_url = _checks.base_url(base_url)
+    except ValueError as exc:
+        raise ValueError(f"base_url: {exc}") from None
     report = Report(base_url)
     netloc = urlsplit(base_url).netloc
     try:

@@ -1,9 +1,10 @@
-"""What otel-session's client instrumentors share: patching a library when it is imported, not before.
+"""What every otel-session instrumentor shares: patching a library when it is imported, not before.
 
 Each is an OpenTelemetry ``BaseInstrumentor`` (entry point group ``opentelemetry_instrumentor``, so
 ``opentelemetry-instrument`` and ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` treat it like any other),
-but ``instrument()`` does not import its client library: it patches the library now if the process has
+but ``instrument()`` does not import its library: it patches the library now if the process has
 imported it, else the moment it does. A process that never touches aiohttp never pays for importing it.
+Patches are wrapt wrappers put innermost, so an upstream instrumentation's ``unwrap`` never takes ours.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, ClassVar
 import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
-from otel_session import _faults, _settings
+from otel_session import _config, _faults, _settings
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 # Upstream's unwrap puts back ``getattr(cls, name).__wrapped__``: a bound wrapper, when ours was below.
@@ -26,10 +27,19 @@ _WRAPPERS = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
 
 
 class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
-    """Patches ``library`` (a top-level module name) once it is imported, while instrumented."""
+    """Patches ``library`` (a module name) once it is imported, while instrumented.
+
+    ``kind`` says which ``configure()`` switch governs it: ``client`` (always on), ``server``
+    (``servers``) or ``boundary`` (trajectory boundaries). ``replaces`` names the upstream
+    instrumentations (entry point names) it does the propagation of, so zero-code mode skips them
+    while tracing is off; ``upstream`` is the one (module, class) that records client spans while on.
+    """
 
     library: ClassVar[str]
     requirement: ClassVar[str]
+    kind: ClassVar[str] = "client"
+    replaces: ClassVar[tuple[str, ...]] = ()
+    upstream: ClassVar[tuple[str, str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -50,7 +60,7 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     def installed(cls) -> bool:
         """Whether the client library is installed, found without importing it."""
         try:
-            return importlib.util.find_spec(cls.library) is not None
+            return importlib.util.find_spec(cls.library.partition(".")[0]) is not None
         except (ImportError, ValueError):
             return False
 
@@ -63,9 +73,11 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         if _settings.current is None:
             # Loaded by a distro other than ours (``opentelemetry-instrument`` with upstream's), with no
             # configure(): deliver by the OTEL_SESSION_* variables all the same.
-            from otel_session._config import activate_environment
-
-            activate_environment()
+            _config.activate_environment()
+        self.configure(**kwargs)
+        settings = _settings.current
+        if self.kind == "server" and settings is not None and not settings.servers:
+            return  # loaded by upstream's loader with OTEL_SESSION_SERVERS off: instrumented, inactive
         with self._lock:
             self.active = True
             module = sys.modules.get(self.library)
@@ -105,8 +117,11 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
                 _wrap_innermost(owner, name, wrapper)
                 self._installed.append((owner, name, wrapper))
 
+    def configure(self, **kwargs: Any) -> None:
+        """Read what this instrumentor needs of the configuration, at each ``instrument()``."""
+
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
-        """(class, method name, wrapt wrapper) for each method to patch in the imported ``module``."""
+        """(class or module, attribute name, wrapt wrapper) for each callable to patch in ``module``."""
         raise NotImplementedError
 
 

@@ -14,6 +14,7 @@ they do add, to every host: this hook then takes back what is recognisably ours 
 
 from __future__ import annotations
 
+import socket
 from types import ModuleType
 from typing import Any
 
@@ -21,12 +22,63 @@ from opentelemetry import context as otel_context
 
 from otel_session import _carriers, _faults, _hop, _propagator
 from otel_session._context import HOP_KEY
-from otel_session._instrumentor import SessionInstrumentor, Wrapper
+from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
 
 # Sends of ours under way: id(the headers we put on a request for one send) -> (those headers, the
 # caller's own they were copied from). Another send of the same request started meanwhile (a hedging
 # middleware's) copies the caller's, never a copy holding that send's session.
 _in_flight: dict[int, tuple[Any, Any]] = {}
+_NOTHING: dict[str, str] = {}
+# ``CIMultiDict`` classes found (once each) to compare names ignoring case in their keys view, and to
+# add and pop as multidict 6.1 does: asked "any of these names?" in one C call, edited with add/popall.
+_folding: set[type] = set()
+_checked: set[type] = set()
+
+
+def _folds_case(kind: type) -> bool:
+    """Whether ``kind``'s keys view compares names ignoring case (multidict 6.1 and later; older
+    ones compare names as spelled), and ``add``/``popall`` work as expected."""
+    try:
+        probe = kind([("X-Probe", "1"), ("Other", "2")])
+        keys = probe.keys()
+        folds = not keys.isdisjoint(("x-probe", "absent")) and keys.isdisjoint(("x-absent",))
+        probe.add("New", "3")
+        probe.add("new", "4")
+        probe.popall("NEW", None)
+        return bool(folds and list(probe.items()) == [("X-Probe", "1"), ("Other", "2")])
+    except Exception:
+        return False
+
+
+def _fast(headers: Any) -> bool:
+    kind = type(headers)
+    if kind in _folding:
+        return True
+    if kind not in _checked and len(_checked) < 64:  # header classes are few
+        _checked.add(kind)
+        if kind.__qualname__ == "CIMultiDict" and _folds_case(kind):
+            _folding.add(kind)
+            return True
+    return False
+
+
+def _held(headers: Any, plan: _hop.Plan) -> dict[str, str]:
+    """What ``headers`` hold of the names ``plan`` reads (``_NOTHING``, the usual case, in one C call)."""
+    if _fast(headers) and headers.keys().isdisjoint(plan.names):
+        return _NOTHING
+    return _carriers.read(headers, plan.names)
+
+
+def _over_unix_socket(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the connection ``send`` was handed is a Unix socket (``UnixConnector``): the bytes go
+    to a local process, not to the URL's host, and not over TLS whatever the URL says."""
+    conn = args[0] if args else kwargs.get("conn")
+    transport = getattr(conn, "transport", None)
+    if transport is None:
+        return False
+    sock = transport.get_extra_info("socket")
+    family = getattr(sock, "family", None)
+    return family is not None and family == getattr(socket, "AF_UNIX", object())
 
 
 def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -39,21 +91,29 @@ def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
             entry = _in_flight.get(id(callers))
             if entry is not None and entry[0] is callers:
                 callers, swap = entry[1], True  # another send's copy: start from the caller's
-        prepared, watched = None, False
+        plan, held, watched = None, _NOTHING, False
         try:
-            now = _hop.now()
-            if now is not None:
+            offered = _hop.current()
+            if offered is None and _hop.untold:  # until a request to a router outside any trajectory
+                _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
+            if offered is not None:
                 url = instance.url
+                if _over_unix_socket(args, kwargs):
+                    plan = offered.plan("unix", None, None)
+                else:
+                    plan = offered.plan(url.scheme, url.raw_host, url.port)
                 # aiohttp's own instrumentation injects before this, with no destination: under a stock
                 # propagator composed with ours, what it copied is taken back here, where the hop is known.
                 sole = _propagator.is_sole_global()
-                prepared = _hop.prepare(now, callers, url.scheme, url.raw_host, url.port, sole)
-                watched = prepared.watched or not sole
+                held = _held(callers, plan)
+                if held:
+                    plan = plan.given(held, sole)
+                watched = plan.watched or not sole
         except Exception as exc:  # a bug of ours must not fail the request
             _faults.report("adding session headers to a request", exc)
-            prepared, watched = None, False
-        if swap or watched or (prepared is not None and prepared.edits):
-            return _hop_send(wrapped, instance, args, kwargs, callers, swap, prepared, watched)
+            plan, watched = None, False
+        if swap or watched or (plan is not None and plan.edits):
+            return _hop_send(wrapped, instance, args, kwargs, callers, swap, plan, held, watched)
     return wrapped(*args, **kwargs)
 
 
@@ -64,7 +124,8 @@ async def _hop_send(
     kwargs: dict[str, Any],
     callers: Any,
     swap: bool,
-    prepared: _hop.Prepared | None,
+    plan: _hop.Plan | None,
+    held: dict[str, str],
     watched: bool,
 ) -> Any:
     """One planned hop, made when the send starts, so a coroutine never awaited leaves the request
@@ -78,17 +139,18 @@ async def _hop_send(
     names: list[str] = []
     token = None
     try:
-        edits = prepared.edits if prepared is not None else []
+        edits = plan.edits if plan is not None else []
         if swap or edits:
-            sent = _carriers.copy_headers(callers)
-            if prepared is not None and edits:
-                saved = _carriers.snapshot(callers, prepared.held)
+            sent = callers.copy()
+            if plan is not None and edits:
+                saved = list(callers.items()) if held else None
                 names = [name for name, _ in edits]
-                _carriers.apply(sent, edits, held=prepared.held)
+                _edit(sent, edits, held)
+                plan.delivered()
             _in_flight[id(sent)] = (sent, callers)
             instance.headers = sent
-        if watched and prepared is not None:
-            hop = prepared.hop._replace(carrier=instance.headers)  # for this send's headers only
+        if watched and plan is not None:
+            hop = plan.hop._replace(carrier=instance.headers)  # for this send's headers only
             token = otel_context.attach(otel_context.set_value(HOP_KEY, hop))
     except Exception as exc:  # a bug of ours must not fail the request, nor send another's session
         _faults.report("adding session headers to a request", exc)
@@ -106,9 +168,40 @@ async def _hop_send(
             if sent is not None:
                 _in_flight.pop(id(sent), None)
                 if names:
-                    _carriers.restore(sent, saved, names)
+                    _restore(sent, saved, names)
         except Exception as exc:
             _faults.report("restoring request headers", exc)
+
+
+def _edit(headers: Any, edits: list[tuple[str, str | None]], held: dict[str, str]) -> None:
+    """Make ``edits`` on a send's own headers: a name the caller's do not hold is only added."""
+    fast = not held and _fast(headers)
+    for name, value in edits:
+        if value is None:
+            _carriers.remove(headers, name)
+        elif fast:
+            headers.add(name, value)
+        else:
+            _carriers.write(headers, name, value)
+
+
+def _restore(headers: Any, saved: list[tuple[str, str]] | None, names: list[str]) -> None:
+    """Take ours out of a send's headers after the send. Where the caller held none of the names we
+    edited (``saved`` is ``None``), ours were only added: taking them back is removing them. Else
+    the caller's own values go back in their places and spellings; what the client added meanwhile
+    under other names (aiohttp's ``Connection``, say) stays, after them."""
+    if saved is None:
+        for name in names:
+            _carriers.remove(headers, name)
+        return
+    ours = {name.lower() for name in names}
+    added = list(headers.items())
+    for item in saved:
+        if item[0].lower() not in ours and item in added:
+            added.remove(item)
+    headers.clear()
+    headers.extend(saved)
+    headers.extend(item for item in added if item[0].lower() not in ours)
 
 
 class AioHttpSessionInstrumentor(SessionInstrumentor):
@@ -116,6 +209,8 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
 
     library = "aiohttp"
     requirement = "aiohttp >= 3.9"
+    replaces = ("aiohttp-client",)
+    upstream = ("opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor")
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
         return [(module.ClientRequest, "send", _send)]

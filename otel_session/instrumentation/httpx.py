@@ -20,41 +20,134 @@ once carries each its own ID, and the redirect httpx builds from it carries noth
 from __future__ import annotations
 
 import inspect
+import operator
 from types import ModuleType
 from typing import Any
 
 from otel_session import _carriers, _faults, _hop, _propagator
-from otel_session._instrumentor import SessionInstrumentor, Wrapper
+from otel_session._policy import Edit
+from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
 
 # Hops planned by a transport other than httpx's own, in flight: id(our copy sent) -> (that copy; the
 # destination it was planned for; the caller's own headers). Never the caller's own object, which
 # another hop may be sending at the same moment.
 _in_flight: dict[int, tuple[Any, _hop.Destination, Any]] = {}
 _STOCK_METHODS = ("handle_request", "handle_async_request")
-# Request classes whose library's own transport reads no attribute of a request beyond what
-# ``_carriers.request_for_transport`` sets (checked on its code when patching): sent as such a
-# stand-in there. Any other (a subclass, a transport that reads more) is sent as a full copy.
+# What httpx's own transports read of a request (checked on their code when patching): a request of
+# a class in ``_stand_ins_for`` is sent there as a stand-in with just these attributes (``_stand_in``).
+TRANSPORT_READS = frozenset({"method", "url", "headers", "stream", "extensions"})
 _stand_ins_for: set[type] = set()
+# ``Headers`` classes whose instances keep ``_list`` as (raw name, lower-case name, value) byte triples
+# and ``_encoding``, and nothing else (checked once per class): read and copied through ``_list``.
+# Every public lookup of a ``Headers`` first decodes every header to find its encoding.
+_listed_headers: set[type] = set()
+_checked_headers: set[type] = set()
+_LOWER_NAME = operator.itemgetter(1)
+_NOTHING: dict[str, str] = {}
 
 
 def _transport_reads_only_the_basics(module: ModuleType) -> bool:
-    """Whether httpx's own transports read, of a ``Request``, only ``_carriers.TRANSPORT_READS``."""
+    """Whether httpx's own transports read, of a ``Request``, only ``TRANSPORT_READS``."""
     try:
         probe = module.Request("GET", "http://localhost")
         attributes = {name for name in dir(probe) if not name.startswith("__")} | set(vars(probe))
         for method in (module.HTTPTransport.handle_request, module.AsyncHTTPTransport.handle_async_request):
             names = set(inspect.unwrap(method).__code__.co_names)  # under any wrapper already on it
-            if not names & attributes <= _carriers.TRANSPORT_READS:
+            if not names & attributes <= TRANSPORT_READS:
                 return False
         return True
     except Exception:
         return False
 
 
+def _headers_are_listed(kind: type) -> bool:
+    """Whether ``kind``'s instances keep ``_list`` and ``_encoding`` (and nothing else) as
+    ``_copy_headers`` and ``_held`` expect, checked on a probe with a repeated name."""
+    try:
+        probe = kind([("X-Probe", "1"), ("Other", "2"), ("x-PROBE", "3")])
+        expected = [
+            (b"X-Probe", b"x-probe", b"1"),
+            (b"Other", b"other", b"2"),
+            (b"x-PROBE", b"x-probe", b"3"),
+        ]
+        if probe._list != expected or sorted(vars(probe)) != ["_encoding", "_list"]:
+            return False
+        copy: Any = object.__new__(kind)
+        copy._list = [*probe._list, (b"New", b"new", b"4")]
+        copy._encoding = probe._encoding
+        del copy["X-PROBE"]
+        return bool(
+            copy._list == [(b"Other", b"other", b"2"), (b"New", b"new", b"4")]
+            and copy.get("new") == "4"
+            and probe.get("x-probe") == "1, 3"
+        )
+    except Exception:
+        return False
+
+
+def _listed(headers: Any) -> bool:
+    kind = type(headers)
+    if kind in _listed_headers:
+        return True
+    if kind not in _checked_headers and len(_checked_headers) < 64:  # header classes are few
+        _checked_headers.add(kind)
+        if _headers_are_listed(kind):
+            _listed_headers.add(kind)
+            return True
+    return False
+
+
+def _held(headers: Any, plan: _hop.Plan) -> dict[str, str]:
+    """What ``headers`` hold of the names ``plan`` reads (``_NOTHING``, the usual case, without a
+    Python loop over a listed ``Headers``)."""
+    if _listed(headers) and plan.raw_names.isdisjoint(map(_LOWER_NAME, headers._list)):
+        return _NOTHING
+    return _carriers.read(headers, plan.names)
+
+
+def _copy_headers(headers: Any, edits: list[Edit] | None = None, wire: Any = None) -> Any:
+    """A copy of ``headers`` with ``edits`` made (``wire``: the same as byte triples to append, for a
+    copy holding none of them)."""
+    if _listed(headers):
+        copy: Any = object.__new__(type(headers))
+        copy._list = headers._list + list(wire) if wire is not None else list(headers._list)
+        copy._encoding = headers._encoding
+        if wire is not None:
+            return copy
+    else:
+        copy = headers.copy()
+    if edits:
+        _carriers.apply(copy, edits)
+    return copy
+
+
+def _stand_in(request: Any, headers: Any) -> Any:
+    """What httpx's own transport sends in place of ``request``: ``TRANSPORT_READS`` of it, set
+    directly (never reading the caller's ``__dict__``, which would make every later read of the
+    caller's object slower), with ``headers``."""
+    clone = object.__new__(type(request))
+    clone.method, clone.url, clone.stream = request.method, request.url, request.stream
+    clone.extensions = request.extensions
+    clone.headers = headers
+    return clone
+
+
+def _copy_request(request: Any, headers: Any) -> Any:
+    """A shallow copy of ``request`` (same body, same extensions, a caller's own attributes too) with
+    ``headers``, built attribute by attribute in the original's order (a ``__dict__.update`` would
+    give the copy a materialised dict, slower on every later read)."""
+    clone = object.__new__(type(request))
+    attributes = request.__dict__
+    for key, value in attributes.items():
+        setattr(clone, key, headers if key == "headers" else value)
+    if "headers" not in attributes:
+        clone.headers = headers
+    return clone
+
+
 # URL classes whose instances keep the parsed URL as ``_uri_reference`` with ``scheme``, ``host`` and
 # ``port`` exactly as the public properties give them (checked when patching): read there, three
-# property calls fewer on every request. A host with an IDNA label is left to the property, which
-# decodes it.
+# property calls fewer on every request. A host with an IDNA label is left to the property.
 _parsed_urls: set[type] = set()
 _URL_PROBES = ("http://127.0.0.1:8000/v1", "HTTPS://Router.EXAMPLE/x", "http://[::1]:9/", "https://h:443/")
 
@@ -81,71 +174,57 @@ def _destination(url: Any) -> _hop.Destination:
     return url.scheme, url.host, url.port
 
 
-def _plan(headers: Any, destination: _hop.Destination) -> _hop.Prepared | None:
-    """The hop of a request with ``headers`` to ``destination``, planned; ``None``: nothing could be
-    added (see ``_hop.now``: the usual request outside a trajectory never reads its URL).
+def _over_unix_socket(transport: Any) -> bool:
+    """Whether ``transport`` (httpx's own) sends over a Unix socket (``uds=``), not to the URL's host."""
+    return getattr(getattr(transport, "_pool", None), "_uds", None) is not None
+
+
+def _planned(offered: _hop.Offered, headers: Any, destination: _hop.Destination) -> tuple[_hop.Plan, Any]:
+    """The plan for a request with ``headers`` to ``destination``, and what it holds of its names.
 
     A stock propagator composed with ours may have written our values already (an upstream
     instrumentation above this hook injecting through it): then what is recognisably ours is taken
     back where it must not go.
     """
-    now = _hop.now()
-    if now is None:
-        return None
-    return _hop.prepare(now, headers, *destination, _propagator.is_sole_global())
+    plan = offered.plan(*destination)
+    held = _held(headers, plan)
+    if held:
+        plan = plan.given(held, _propagator.is_sole_global())
+    return plan, held
 
 
-def _registered(request: Any) -> tuple[Any, _hop.Destination, Any] | None:
-    """``request``'s entry in ``_in_flight`` if it is a copy of ours in flight: (that copy, the
-    destination it was planned for, the caller's own headers)."""
-    entry = _in_flight.get(id(request))
-    return entry if entry is not None and entry[0] is request else None
-
-
-def _at_transport(request: Any) -> Any:
-    """What httpx's own transport sends for ``request``: planned here, for the URL it dials, unless a
-    transport above planned it (then planned again only if that transport sent it elsewhere).
-
-    The usual request takes the express path: the plan remembered for its context and destination
-    (``_hop.plans_now``), valid while it holds none of the names the policy reads. The first hop of a
-    context to a destination is planned, remembered, and then sent the same way, so a trajectory's
-    first request runs the code its next ones run. Anything else is planned and sent in full.
-    """
+def _at_transport(transport: Any, request: Any) -> Any:
+    """What httpx's own transport sends for ``request``: planned here, for the URL it dials (nothing
+    over a Unix socket), unless a transport above planned it (then planned again only if that
+    transport sent it elsewhere). The caller's ``Request`` is never edited."""
     try:
-        prepared = None
         if _in_flight:
             entry = _registered(request)
             if entry is not None:
                 return _replan_if_moved(request, entry)
-        else:
-            plans = _hop.plans_now()
-            if plans is None:
-                return request  # nothing to add from this context: its URL is not even read
-            destination = _destination(request.url)
-            known = plans.get(destination)
-            if known is None:
-                prepared = _plan(request.headers, destination)  # remembered unless it holds ours
-                known = plans.get(destination)
-            if known is not None:
-                if known.entries is not None:
-                    if type(request) in _stand_ins_for:
-                        sent = _carriers.stand_in(request, known.names[1], known.entries)
-                        if sent is not None:
-                            if known.note is not None:
-                                known.taken()
-                            return sent
-                elif not known.prepared.edits and known.fits(request.headers, _propagator.is_sole_global()):
-                    return request
-        if prepared is None:
-            prepared = _plan(request.headers, _destination(request.url))
-        if prepared is None or not prepared.edits:
+        offered = _hop.current()
+        if offered is None:
+            if _hop.untold:  # until a request to a router outside any trajectory has been told of
+                _hop.outside(*_destination(request.url))
+            return request  # nothing to add from this context
+        destination = ("unix", None, None) if _over_unix_socket(transport) else _destination(request.url)
+        plan, held = _planned(offered, request.headers, destination)
+        if not plan.edits:
             return request
+        plan.delivered()
+        headers = _copy_headers(request.headers, plan.edits, None if held else plan.wire)
         if type(request) in _stand_ins_for:
-            return _carriers.request_for_transport(request, prepared.edits, prepared.held)
-        return _carriers.copy_request(request, prepared.edits, prepared.held)
+            return _stand_in(request, headers)
+        return _copy_request(request, headers)
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)
         return request
+
+
+def _registered(request: Any) -> tuple[Any, _hop.Destination, Any] | None:
+    """``request``'s entry in ``_in_flight`` if it is a copy of ours in flight."""
+    entry = _in_flight.get(id(request))
+    return entry if entry is not None and entry[0] is request else None
 
 
 def _replan_if_moved(request: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
@@ -155,10 +234,13 @@ def _replan_if_moved(request: Any, entry: tuple[Any, _hop.Destination, Any]) -> 
     if destination == entry[1]:
         return request
     callers = entry[2]
-    headers = _carriers.copy_headers(callers)
-    again = _plan(callers, destination)
-    if again is not None:
-        _carriers.apply(headers, again.edits, held=again.held)
+    headers = _copy_headers(callers)
+    offered = _hop.current()
+    if offered is not None:
+        plan, _ = _planned(offered, callers, destination)
+        _carriers.apply(headers, plan.edits)
+        if plan.edits:
+            plan.delivered()
     request.headers = headers
     _in_flight[id(request)] = (request, destination, callers)
     return request
@@ -174,11 +256,15 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
             if entry is not None:
                 _replan_if_moved(request, entry)
                 return None
+        offered = _hop.current()
+        if offered is None:
+            return None
         destination = _destination(request.url)
-        prepared = _plan(request.headers, destination)
-        if prepared is None or not prepared.edits:
+        plan, held = _planned(offered, request.headers, destination)
+        if not plan.edits:
             return None  # the caller's own object, as it is: any transport it reaches plans it afresh
-        sent = _carriers.copy_request(request, prepared.edits, prepared.held)
+        plan.delivered()
+        sent = _copy_request(request, _copy_headers(request.headers, plan.edits, None if held else plan.wire))
         key = id(sent)
         _in_flight[key] = (sent, destination, request.headers)
         return sent, key
@@ -203,10 +289,10 @@ def _with_request(
 
 def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if len(args) == 1 and not kwargs:  # as httpx calls it: no argument tuple to rebuild
-        return wrapped(_at_transport(args[0]))
+        return wrapped(_at_transport(instance, args[0]))
     request = _request_of(args, kwargs)
     if request is not None:
-        args, kwargs = _with_request(args, kwargs, _at_transport(request))
+        args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
     return wrapped(*args, **kwargs)
 
 
@@ -215,7 +301,7 @@ async def _handle_async_request(
 ) -> Any:
     request = _request_of(args, kwargs)
     if request is not None:
-        args, kwargs = _with_request(args, kwargs, _at_transport(request))
+        args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
     return await wrapped(*args, **kwargs)
 
 
@@ -250,6 +336,8 @@ class HTTPXSessionInstrumentor(SessionInstrumentor):
 
     library = "httpx"
     requirement = "httpx >= 0.23"
+    replaces = ("httpx",)
+    upstream = ("opentelemetry.instrumentation.httpx", "HTTPXClientInstrumentor")
 
     _module: ModuleType | None = None
     _client_hook: Wrapper | None = None
@@ -323,3 +411,5 @@ class HTTPX2SessionInstrumentor(HTTPXSessionInstrumentor):
 
     library = "httpx2"
     requirement = "httpx2"
+    replaces = ("httpx2",)
+    upstream = ("opentelemetry.instrumentation.httpx", "HTTPX2ClientInstrumentor")
