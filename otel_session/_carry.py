@@ -4,20 +4,35 @@
 in another process; without help their requests would carry no session. ``bind`` copies the context
 afresh for every call (one copy entered twice at once is an error), and a carrier is a plain dict of
 strings that pickles anywhere.
+
+A forked process is the opposite case: it inherits the context of the thread that forked it, so a
+process pool whose workers fork inside trajectory A would send A's session for all its later work,
+submitted from trajectory B or from none. A forked child therefore starts outside any trajectory,
+and continues one only where it is handed it (``session_carrier`` and ``resume``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ParamSpec, TypeVar
 
+from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_session._context import PARENT_KEY, SESSION_KEY, session_ids, with_session
+from otel_session import _faults, _hop
+from otel_session._context import (
+    HOP_KEY,
+    PARENT_KEY,
+    ROUTER_VISITS_KEY,
+    SESSION_KEY,
+    session_ids,
+    with_session,
+)
 from otel_session._ids import is_valid_session_id
 
 _P = ParamSpec("_P")
@@ -73,3 +88,23 @@ def resume(carrier: Mapping[str, Any] | None) -> Iterator[str | None]:
         yield session
     finally:
         otel_context.detach(token)
+
+
+def _leave_trajectory_in_child() -> None:
+    """``os.register_at_fork`` hook: the forked child starts outside the parent's trajectory."""
+    try:
+        _hop.forget()
+        ctx = otel_context.get_current()
+        if session_ids(ctx)[0] is None and ctx.get(ROUTER_VISITS_KEY) is None:
+            return
+        ctx = baggage.remove_baggage(PARENT_KEY, baggage.remove_baggage(SESSION_KEY, ctx))
+        for key in (ROUTER_VISITS_KEY, HOP_KEY):
+            ctx = otel_context.set_value(key, None, ctx)
+        otel_context.attach(trace.set_span_in_context(trace.INVALID_SPAN, ctx))  # never detached: the
+        # child's whole life runs below this point
+    except Exception as exc:
+        _faults.report("leaving the parent's trajectory in a forked child", exc)
+
+
+if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
+    os.register_at_fork(after_in_child=_leave_trajectory_in_child)

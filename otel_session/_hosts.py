@@ -74,6 +74,12 @@ def canonical_origin(scheme: str, host: str, port: int | None) -> tuple[str, str
     return family, normalize_host(host) or host.lower(), port
 
 
+def _numeric_tail(host: str) -> bool:
+    """Whether a wildcard's suffix is all numeric labels (``0.0.5``, ``1``): it would match the tail of
+    IPv4 addresses (``127.0.0.5``), never a DNS name, since a top-level domain is never numeric."""
+    return all(label.isdigit() for label in host.split("."))
+
+
 def _parse_port(text: str, pattern: str) -> int:
     if not (text.isascii() and text.isdigit()) or not 0 < int(text) < 65536:
         raise ValueError(f"host pattern {pattern!r}: {text!r} is not a port number (1-65535)")
@@ -103,6 +109,8 @@ class HostPattern:
             raise ValueError("host pattern is empty")
         if "://" in text:
             return cls._parse_url(text, pattern)
+        if "/" in text and not text.startswith("["):
+            text = text.partition("/")[0]  # host:port/v1, as copied from a base URL: the path says nothing
         wildcard = text.startswith("*.")
         if wildcard:
             text = text[2:]
@@ -130,8 +138,11 @@ class HostPattern:
             raise ValueError(
                 f"host pattern {pattern!r}: {host_text!r} is not a valid host name or IP address"
             )
-        if wildcard and (":" in host or _normalize_ip(host) is not None):
-            raise ValueError(f"host pattern {pattern!r}: a '*.' wildcard needs a domain name, not an address")
+        if wildcard and (":" in host or _normalize_ip(host) is not None or _numeric_tail(host)):
+            raise ValueError(
+                f"host pattern {pattern!r}: a '*.' wildcard is for DNS names; '{text}' would match IP "
+                "addresses (name each address, or a whole network by its names)"
+            )
         return cls(host, port, wildcard)
 
     @classmethod

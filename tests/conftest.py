@@ -12,6 +12,26 @@ from tests.recorder import Recorder
 # The real local Dynamo stack: dynamo_stack, dynamo_stack_no_affinity, local_dynamo_factory.
 pytest_plugins = ["tests.dynamo_fixtures"]
 
+# The full tier only: modules that start real Dynamo, the routers, Phoenix, NeMo-Gym's venv or
+# subprocesses under opentelemetry-instrument, or wait out timeouts on purpose. Everything else (pure
+# functions, in-process loopback servers) is the fast tier: ``bash scripts/test --fast``.
+SLOW_MODULES = frozenset(
+    {
+        "test_bounds_slow_peers", "test_cli", "test_dynamo_affinity", "test_dynamo_stack", "test_gym_e2e",
+        "test_nemo_gym", "test_nemo_rl", "test_nemo_rl_boundaries", "test_overhead_benchmark", "test_phoenix",
+        "test_readme", "test_routers", "test_session_end", "test_thunderagent", "test_tools_newcomer",
+        "test_zerocode",
+    }
+)  # fmt: skip
+SLOW_FIXTURES = frozenset({"dynamo_stack", "dynamo_stack_no_affinity", "local_dynamo_factory"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""  # type: ignore[attr-defined]
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True)
 def _unconfigured() -> Iterator[None]:

@@ -1,7 +1,8 @@
-"""How many generated cases the property tests run, in one place.
+"""How many generated cases the property tests run, in one place: a Hypothesis profile by name.
 
-CI draws the same 3,000 cases per target on every run, so a landing never hinges on the draw (and the
-run stays well inside its time); local runs explore 10,000 new ones each time.
+``HYPOTHESIS_PROFILE`` picks it: ``dev`` (the default, and the fast tier: a few hundred new cases per
+target, seconds), ``ci`` (the full tier that CI runs: the same 3,000 cases on every run, so a landing
+never hinges on the draw) or ``deep`` (10,000 new cases each, for a long local look).
 """
 
 from __future__ import annotations
@@ -10,11 +11,17 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-IN_CI = os.environ.get("CI") == "true"
+_COMMON = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+}
+_PROFILES = {
+    "dev": settings(max_examples=300, **_COMMON),  # type: ignore[arg-type]
+    "ci": settings(max_examples=3_000, derandomize=True, **_COMMON),  # type: ignore[arg-type]
+    "deep": settings(max_examples=10_000, **_COMMON),  # type: ignore[arg-type]
+}
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "dev")
+if PROFILE not in _PROFILES:
+    raise SystemExit(f"HYPOTHESIS_PROFILE={PROFILE!r}: use one of {', '.join(_PROFILES)}")
 
-MANY = settings(
-    max_examples=3_000 if IN_CI else 10_000,
-    derandomize=IN_CI,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+MANY = _PROFILES[PROFILE]

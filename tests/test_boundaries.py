@@ -1,0 +1,285 @@
+"""Trajectory boundaries: named functions (every kind), the decorator on every kind, nesting, bad names,
+unconfigure, and the one-line notice for a router request outside any trajectory.
+
+Real httpx and aiohttp requests to a loopback recording server configured as a Dynamo host. The named
+functions live in a module written to a temporary folder per test, imported after or before
+``configure()`` as a framework's would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import aiohttp
+import httpx
+import pytest
+
+import otel_session
+from otel_session import SESSION_HEADER
+from tests.recorder import Recorder
+
+ROLLOUTS = '''
+import asyncio, httpx, aiohttp
+
+URL = None
+
+def sync_rollout(turns):
+    with httpx.Client() as client:
+        for _ in range(turns):
+            client.post(URL + "/v1/chat/completions", json={})
+    return "done"
+
+async def async_rollout(turns):
+    async with aiohttp.ClientSession() as session:
+        for _ in range(turns):
+            async with session.post(URL + "/v1/chat/completions", json={}) as response:
+                await response.read()
+    return "done"
+
+def generator_rollout(turns):
+    with httpx.Client() as client:
+        for turn in range(turns):
+            client.post(URL + "/v1/chat/completions", json={})
+            yield turn
+
+async def async_generator_rollout(turns):
+    async with httpx.AsyncClient() as client:
+        for turn in range(turns):
+            await client.post(URL + "/v1/chat/completions", json={})
+            yield turn
+
+def returns_coroutine(turns):
+    return async_rollout(turns)
+
+class Agent:
+    def run(self, turns):
+        return sync_rollout(turns)
+
+    @classmethod
+    def run_class(cls, turns):
+        return sync_rollout(turns)
+
+    @staticmethod
+    def run_static(turns):
+        return sync_rollout(turns)
+
+    async def __call__(self, turns):
+        return await async_rollout(turns)
+
+class Child(Agent):
+    pass
+
+agent = Agent()
+
+def outer(turns):
+    sync_rollout(1)
+    return sync_rollout(turns)
+'''
+
+
+@pytest.fixture
+def rollouts(tmp_path: Path, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh module name holding the rollout functions above, importable, not yet imported."""
+    name = f"rollouts_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(ROLLOUTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def _load(name: str, dynamo: Recorder) -> ModuleType:
+    module = importlib.import_module(name)
+    module.URL = dynamo.url
+    return module
+
+
+def _sessions(dynamo: Recorder) -> list[str | None]:
+    return [seen.get(SESSION_HEADER) for seen in dynamo.requests]
+
+
+def test_each_call_of_a_named_function_is_one_attempt_also_imported_before_configure(
+    rollouts: str, dynamo: Recorder
+) -> None:
+    module = _load(rollouts, dynamo)  # imported before configure(): applied at once
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:sync_rollout"])
+    assert module.sync_rollout(3) == "done"
+    assert module.sync_rollout(2) == "done"
+    sessions = _sessions(dynamo)
+    assert len(sessions) == 5 and None not in sessions
+    assert len(set(sessions[:3])) == 1 and len(set(sessions[3:])) == 1 and sessions[0] != sessions[3]
+    assert otel_session.current_session_id() is None  # nothing left behind
+
+
+@pytest.mark.parametrize(
+    "qualified",
+    ["async_rollout", "returns_coroutine", "Agent.__call__", "agent", "Agent.run", "Agent.run_class",
+     "Agent.run_static", "Child.run"],
+)  # fmt: skip
+def test_every_kind_of_callable_is_a_boundary(rollouts: str, dynamo: Recorder, qualified: str) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=f"{rollouts}:{qualified}")
+    module = _load(rollouts, dynamo)  # imported after configure(): applied by the import hook
+    target = eval(f"module.{qualified}", {"module": module})  # noqa: S307 - the test's own names
+    if qualified.startswith("Agent.run") and qualified not in ("Agent.run_class", "Agent.run_static"):
+        target = getattr(module.Agent(), qualified.split(".")[1])
+    if qualified == "Agent.__call__":
+        target = module.Agent()
+    if qualified == "Child.run":
+        target = module.Child().run
+
+    def call() -> object:
+        result = target(2)
+        return asyncio.run(result) if asyncio.iscoroutine(result) else result
+
+    assert call() == "done"
+    assert call() == "done"
+    sessions = _sessions(dynamo)
+    assert len(sessions) == 4 and None not in sessions, qualified
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3], qualified
+    if qualified == "Child.run":
+        assert module.Agent().run(1) == "done"  # the base class is not a boundary: no session
+        assert _sessions(dynamo)[-1] is None
+
+
+def test_generators_are_one_attempt_for_as_long_as_they_are_iterated(rollouts: str, dynamo: Recorder) -> None:
+    otel_session.configure(
+        dynamo_hosts=[dynamo.url],
+        trajectory_functions=[f"{rollouts}:generator_rollout", f"{rollouts}:async_generator_rollout"],
+    )
+    module = _load(rollouts, dynamo)
+    seen_between = []
+    for _ in module.generator_rollout(3):
+        seen_between.append(otel_session.current_session_id())  # the consumer's code: no session
+
+    async def consume() -> None:
+        async for _ in module.async_generator_rollout(3):
+            seen_between.append(otel_session.current_session_id())
+
+    asyncio.run(consume())
+    sessions = _sessions(dynamo)
+    assert len(sessions) == 6 and None not in sessions
+    assert len(set(sessions[:3])) == 1 and len(set(sessions[3:])) == 1 and sessions[0] != sessions[3]
+    assert seen_between == [None] * 6
+
+
+def test_a_named_boundary_inside_a_trajectory_is_nested(rollouts: str, dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:sync_rollout"])
+    module = _load(rollouts, dynamo)
+    with otel_session.trajectory() as outer:
+        module.sync_rollout(1)
+    seen = dynamo.requests[-1]
+    assert seen.get(SESSION_HEADER) not in (None, outer.session_id)
+    assert seen.get("X-Dynamo-Parent-Session-ID") == outer.session_id
+
+
+def test_unconfigure_unwraps_and_a_new_configure_applies_new_names(rollouts: str, dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:sync_rollout"])
+    module = _load(rollouts, dynamo)
+    wrapped = module.sync_rollout
+    otel_session.unconfigure()
+    assert not hasattr(module.sync_rollout, "__wrapped__") and module.sync_rollout is not wrapped
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:outer"])
+    assert not hasattr(module.sync_rollout, "__wrapped__")
+    module.outer(1)
+    sessions = _sessions(dynamo)
+    assert len(sessions) == 2 and sessions[0] == sessions[1] is not None
+
+
+def test_a_name_that_does_not_resolve_is_one_warning_and_the_others_still_apply(
+    rollouts: str, dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "otel_session")
+    otel_session.configure(
+        dynamo_hosts=[dynamo.url],
+        trajectory_functions=[f"{rollouts}:no_such_function", f"{rollouts}:sync_rollout"],
+    )
+    module = _load(rollouts, dynamo)
+    module.sync_rollout(1)
+    assert _sessions(dynamo) != [None]
+    warnings = [r.getMessage() for r in caplog.records if "no_such_function" in r.getMessage()]
+    assert len(warnings) == 1 and "does not resolve" in warnings[0]
+
+
+def test_a_malformed_name_is_a_clear_error_as_an_argument_and_one_warning_as_a_variable(
+    rollouts: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with pytest.raises(ValueError, match="module:Qualified.name"):
+        otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=["no colon here"])
+    monkeypatch.setenv("OTEL_SESSION_TRAJECTORY_FUNCTIONS", f"bad name,{rollouts}:sync_rollout")
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", dynamo.url)
+    caplog.set_level(logging.WARNING, "otel_session")
+    from otel_session import _environment
+
+    _environment.configure_from_environment()
+    module = _load(rollouts, dynamo)
+    module.sync_rollout(1)
+    assert _sessions(dynamo) != [None]
+    assert sum("'bad name'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_module_never_imported_is_named_in_one_warning_at_exit(tmp_path: Path, dynamo: Recorder) -> None:
+    script = textwrap.dedent(
+        f"""
+        import otel_session
+        otel_session.configure(dynamo_hosts=["{dynamo.url}"], trajectory_functions=["never_imported_mod:run"])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "never_imported_mod:run" in line]
+    assert len(lines) == 1 and "never imported" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_the_decorator_works_without_parentheses_and_on_every_kind(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+
+    @otel_session.trajectory
+    def plain() -> str | None:
+        httpx.post(dynamo.url + "/x")
+        return otel_session.current_session_id()
+
+    @otel_session.trajectory()
+    def gen() -> Iterator[str | None]:
+        yield otel_session.current_session_id()
+        httpx.post(dynamo.url + "/x")
+        yield otel_session.current_session_id()
+
+    class Callable_:
+        async def __call__(self) -> str | None:
+            async with aiohttp.ClientSession() as session, session.post(dynamo.url + "/x") as response:
+                await response.read()
+            return otel_session.current_session_id()
+
+    decorated = otel_session.trajectory()(Callable_())
+    first, second = plain(), plain()
+    assert first and second and first != second
+    items = list(gen())
+    assert items[0] == items[1] is not None and items[0] not in (first, second)
+    assert asyncio.iscoroutinefunction(decorated)
+    third = asyncio.run(decorated())
+    assert third and third not in (first, second, items[0])
+    assert _sessions(dynamo) == [first, second, items[0], third]
+
+
+def test_a_router_request_outside_any_trajectory_is_told_once(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, other: Recorder
+) -> None:
+    from otel_session import _hop
+
+    _hop.untold = True
+    caplog.set_level(logging.WARNING, "otel_session")
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    httpx.get(other.url + "/x")  # not a router: nothing to tell
+    assert not [r for r in caplog.records if "outside any trajectory" in r.getMessage()]
+    httpx.get(dynamo.url + "/x")
+    httpx.get(dynamo.url + "/y")
+    told = [r.getMessage() for r in caplog.records if "outside any trajectory" in r.getMessage()]
+    assert len(told) == 1 and f"127.0.0.1:{dynamo.port}" in told[0] and "OTEL_SESSION_TRAJECTORY_FUNCTIONS" in told[0]
+    assert _sessions(dynamo) == [None, None]  # sent exactly as before

@@ -1,0 +1,274 @@
+"""Reliability, third round: Unix sockets, numeric wildcards, boundaries of every kind inside a
+trajectory, a caller's unprintable exception, forked pools, re-entrant configuration, ``*`` disabling,
+and the stock-propagator warning on every path. Over loopback and real Unix sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import http.server
+import logging
+import multiprocessing
+import os
+import socketserver
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import httpx
+import pytest
+
+import otel_session
+from otel_session import SESSION_HEADER
+from tests.otlp_receiver import OtlpHttpReceiver
+from tests.recorder import Recorder
+
+
+class _Recording(http.server.BaseHTTPRequestHandler):
+    seen: list[dict[str, str]]
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.seen.append({k.lower(): v for k, v in self.headers.items()})
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def address_string(self) -> str:
+        return "unix"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def unix_server(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
+    """A real HTTP server on a Unix socket, recording each request's headers."""
+    path = str(tmp_path / "router.sock")
+    seen: list[dict[str, str]] = []
+    handler = type("Handler", (_Recording,), {"seen": seen})
+    server = socketserver.ThreadingUnixStreamServer(path, handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield path, seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_unix_socket_is_not_the_urls_host_for_httpx_or_aiohttp(
+    unix_server: tuple[str, list[dict[str, str]]],
+) -> None:
+    path, seen = unix_server
+    otel_session.configure(dynamo_hosts=["https://dynamo.internal:8443", "dynamo.internal:8000"])
+
+    async def over_aiohttp() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as session:
+            for url in ("https://dynamo.internal:8443/v1/x", "http://dynamo.internal:8000/v1/x"):
+                async with session.get(url) as response:
+                    assert response.status == 200
+
+    with otel_session.trajectory():
+        asyncio.run(over_aiohttp())
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path)) as client:
+            assert client.get("http://dynamo.internal:8000/v1/x").status_code == 200
+        mounted = {"http://dynamo.internal:8000": httpx.HTTPTransport(uds=path)}
+        with httpx.Client(mounts=mounted) as client:
+            assert client.get("http://dynamo.internal:8000/v1/x").status_code == 200
+    assert len(seen) == 4
+    assert all(SESSION_HEADER.lower() not in headers for headers in seen)
+
+
+def test_the_same_requests_over_tcp_do_carry_it(dynamo: Recorder) -> None:
+    """The control for the Unix-socket test: the hooks work for these clients over TCP."""
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+
+    async def over_aiohttp() -> None:
+        async with aiohttp.ClientSession() as session, session.get(dynamo.url + "/v1/x") as response:
+            assert response.status == 200
+
+    with otel_session.trajectory():
+        asyncio.run(over_aiohttp())
+        httpx.get(dynamo.url + "/v1/x")
+    assert all(seen.get(SESSION_HEADER) for seen in dynamo.requests) and len(dynamo.requests) == 2
+
+
+@pytest.mark.parametrize("pattern", ["*.0.0.5", "*.1", "*.168.1.1", "*.0.0.5:8000"])
+def test_a_wildcard_that_would_match_addresses_is_refused(pattern: str) -> None:
+    with pytest.raises(ValueError, match="wildcard is for DNS names"):
+        otel_session.configure(dynamo_hosts=[pattern])
+
+
+def test_a_base_url_without_a_scheme_is_its_host_and_port(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{dynamo.port}/v1"])
+    with otel_session.trajectory() as traj:
+        httpx.get(dynamo.url + "/v1/models")
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+
+
+def test_a_decorated_generator_inside_a_trajectory_is_its_own_nested_attempt(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+
+    @otel_session.trajectory()
+    def turns() -> Iterator[int]:
+        for turn in range(2):
+            httpx.get(dynamo.url + "/x")
+            yield turn
+
+    with otel_session.trajectory() as outer:
+        list(turns())
+        list(turns())
+    sessions = [seen.get(SESSION_HEADER) for seen in dynamo.requests]
+    parents = {seen.get("X-Dynamo-Parent-Session-ID") for seen in dynamo.requests}
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3] and outer.session_id not in sessions
+    assert parents == {outer.session_id}
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def test_the_callers_exception_comes_out_unchanged_with_tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    try:
+        otel_session.configure(dynamo_hosts=["dynamo:8000"], tracing=True)
+        raised = _Unprintable()
+        with pytest.raises(_Unprintable) as caught, otel_session.trajectory():
+            raise raised
+        assert caught.value is raised
+
+        async def attempt() -> None:
+            async with otel_session.trajectory():
+                raise raised
+
+        with pytest.raises(_Unprintable):
+            asyncio.run(attempt())
+    finally:
+        otel_session.unconfigure()
+        receiver.close()
+
+
+def _session_in_worker(_: object = None) -> str | None:
+    return otel_session.current_session_id()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_pool_keeps_no_trajectory_it_was_not_handed() -> None:
+    pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"))
+    try:
+        with otel_session.trajectory():
+            first = pool.submit(_session_in_worker).result(timeout=60)  # the workers fork here
+        with otel_session.trajectory():
+            second = pool.submit(_session_in_worker).result(timeout=60)
+        third = pool.submit(_session_in_worker).result(timeout=60)
+        with otel_session.trajectory() as handed:
+            carrier = otel_session.session_carrier()
+        resumed = pool.submit(_resumed_in_worker, carrier).result(timeout=60)
+    finally:
+        pool.shutdown()
+    assert (first, second, third) == (None, None, None)
+    assert resumed == handed.session_id
+
+
+def _resumed_in_worker(carrier: dict[str, str]) -> str | None:
+    with otel_session.resume(carrier) as session:
+        return session
+
+
+def test_a_log_handler_that_unconfigures_when_warned_does_not_deadlock(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both in the same thread and through another thread the handler waits for."""
+    monkeypatch.setenv("OTEL_SESSION_ADOPT", "junk")
+
+    class Unconfigures(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            helper = threading.Thread(target=otel_session.unconfigure)
+            helper.start()
+            helper.join(10)
+            otel_session.unconfigure()
+
+    handler = Unconfigures()
+    logger = logging.getLogger("otel_session")
+    logger.addHandler(handler)
+    try:
+        done = threading.Event()
+
+        def run() -> None:
+            otel_session.configure(dynamo_hosts=[dynamo.url], servers=True)
+            done.set()
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        assert done.wait(20), "configure() hung on a warning whose handler called unconfigure()"
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_disabling_every_instrumentation_with_a_star_disables_ours(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "*")
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    with otel_session.trajectory():
+        httpx.get(dynamo.url + "/x")
+    assert dynamo.requests[0].get(SESSION_HEADER) is None
+
+
+STOCK_SCRIPT = """
+import httpx, otel_session
+from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+HTTPXClientInstrumentor().instrument()
+with otel_session.trajectory():
+    httpx.get("{url}/x")
+    httpx.get("{url}/y")
+"""
+
+
+@pytest.mark.parametrize("propagators", ["tracecontext,baggage,dynamo_session", "dynamo_session,baggage"])
+def test_stock_propagators_loaded_only_from_the_list_are_warned_about_once(
+    other: Recorder, propagators: str
+) -> None:
+    """No configure() and no distro: the propagator itself sees the combination, once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_PROPAGATORS"] = propagators
+    script = textwrap.dedent(STOCK_SCRIPT.format(url=other.url))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "OTEL_PROPAGATORS includes the stock" in line]
+    assert len(warnings) == 1 and "OTEL_PROPAGATORS=dynamo_session" in warnings[0]
+
+
+@pytest.mark.parametrize("propagators", ["tracecontext,baggage,dynamo_session", "dynamo_session,tracecontext,baggage"])
+def test_stock_copies_are_taken_back_where_our_hooks_run_in_either_order(
+    other: Recorder, dynamo: Recorder, propagators: str
+) -> None:
+    """With otel-session's hooks on (here: the upstream distro's path, our instrumentors loaded and
+    configured from the variables), a stock propagator's copies of ours never reach another host."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_PROPAGATORS=propagators, OTEL_SESSION_DYNAMO_HOSTS=dynamo.url)
+    script = textwrap.dedent(
+        """
+        import httpx, otel_session
+        from otel_session import _config
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+        for name, kind in _config.instrumentors().items():
+            kind().instrument()  # as upstream's loader does with the entry points
+        HTTPXClientInstrumentor().instrument()
+        with otel_session.trajectory():
+            httpx.get("{other}/x")
+            httpx.get("{dynamo}/x")
+        """
+    ).format(other=other.url, dynamo=dynamo.url)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert other.requests and other.requests[0].get("baggage") is None
+    assert dynamo.requests[0].get(SESSION_HEADER)
+    assert sum("OTEL_PROPAGATORS includes the stock" in line for line in done.stderr.splitlines()) == 1
