@@ -9,7 +9,8 @@ of routers the trajectory's requests reached, and leaving tells each of them the
 As a decorator (and for functions named as boundaries, ``as_attempt``) every call is one attempt,
 whatever the function returns: a coroutine is awaited inside it, and a generator or async generator
 is one attempt for as long as it is iterated. The attempt's context is attached only while the
-generator's own code runs, never between its items, where the consumer's code runs.
+generator's own code runs, never between its items, where the consumer's code runs. (Over 300
+lines: one attempt over each of those four kinds of callable, each with its own way to end.)
 """
 
 from __future__ import annotations
@@ -169,11 +170,7 @@ class trajectory:
 
             @functools.wraps(func)
             async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
-                attempt = self._fresh()
-                ctx = attempt._begin()
-                async for item in _async_generator_in(
-                    attempt, ctx, _call_in(attempt, ctx, func, args, kwargs)
-                ):
+                async for item in _async_generator_in(_starter(self, func, args, kwargs)):
                     yield item
 
             return cast(_F, run_async_generator)
@@ -181,18 +178,14 @@ class trajectory:
 
             @functools.wraps(func)
             def run_generator(*args: Any, **kwargs: Any) -> Any:
-                attempt = self._fresh()
-                ctx = attempt._begin()
-                return (yield from _generator_in(attempt, ctx, _call_in(attempt, ctx, func, args, kwargs)))
+                return (yield from _generator_in(_starter(self, func, args, kwargs)))
 
             return cast(_F, run_generator)
         if _is_async_callable(func):
 
             @functools.wraps(func)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                attempt = self._fresh()
-                ctx = attempt._begin()
-                return await _awaited_in(attempt, ctx, _call_in(attempt, ctx, func, args, kwargs))
+                return await _awaited_in(_starter(self, func, args, kwargs))
 
             return cast(_F, run_async)
 
@@ -210,21 +203,44 @@ def _is_async_callable(func: object) -> bool:
     )
 
 
+Started = tuple[trajectory, Context, Any]  # (the attempt, its context, what calling the function gave)
+
+
+def _starter(
+    template: trajectory, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[[], Started]:
+    """Starts a new attempt of ``template`` and calls ``func`` in it, when the result is first used:
+    a coroutine never awaited, or a generator never iterated, starts no attempt at all."""
+
+    def start() -> Started:
+        attempt = template._fresh()
+        ctx = attempt._begin()
+        return attempt, ctx, _call_in(attempt, ctx, func, args, kwargs)
+
+    return start
+
+
 def as_attempt(
     template: trajectory, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """Call ``func`` as one new attempt of ``template``, whatever it returns: a coroutine is awaited
     inside the attempt, a generator or async generator is one attempt for as long as it is iterated,
-    anything else ends the attempt as the call returns or raises."""
-    attempt = template._fresh()
-    ctx = attempt._begin()
-    result = _call_in(attempt, ctx, func, args, kwargs)
+    anything else ends the attempt as the call returns or raises. Where ``func`` is known to return a
+    coroutine or a generator, the attempt starts when that is first awaited or iterated."""
+    start = _starter(template, func, args, kwargs)
+    if _is_async_callable(func):
+        return _awaited_in(start)
+    if inspect.isasyncgenfunction(func):
+        return _async_generator_in(start)
+    if inspect.isgeneratorfunction(func):
+        return _generator_in(start)
+    attempt, ctx, result = start()
     if inspect.iscoroutine(result):
-        return _awaited_in(attempt, ctx, result)
+        return _awaited_in(lambda: (attempt, ctx, result))
     if inspect.isgenerator(result):
-        return _generator_in(attempt, ctx, result)
+        return _generator_in(lambda: (attempt, ctx, result))
     if inspect.isasyncgen(result):
-        return _async_generator_in(attempt, ctx, result)
+        return _async_generator_in(lambda: (attempt, ctx, result))
     attempt._end(None)
     return result
 
@@ -242,8 +258,9 @@ def _call_in(attempt: trajectory, ctx: Context, func: Callable[..., Any], args: 
     return result
 
 
-async def _awaited_in(attempt: trajectory, ctx: Context, awaitable: Awaitable[Any]) -> Any:
-    """Await ``awaitable`` with ``ctx`` attached, as the rest of the attempt."""
+async def _awaited_in(start: Callable[[], Started]) -> Any:
+    """Await what ``start`` gives, with its context attached, as the rest of the attempt."""
+    attempt, ctx, awaitable = start()
     failure: BaseException | None = None
     token = otel_context.attach(ctx)
     try:
@@ -256,10 +273,10 @@ async def _awaited_in(attempt: trajectory, ctx: Context, awaitable: Awaitable[An
         await attempt._end_async(failure)
 
 
-def _generator_in(
-    attempt: trajectory, ctx: Context, generator: Generator[Any, Any, Any]
-) -> Generator[Any, Any, Any]:
-    """Iterate ``generator`` as the rest of the attempt, ``ctx`` attached only while its code runs."""
+def _generator_in(start: Callable[[], Started]) -> Generator[Any, Any, Any]:
+    """Iterate the generator ``start`` gives as the rest of the attempt, its context attached only
+    while the generator's code runs."""
+    attempt, ctx, generator = start()
     failure: BaseException | None = None
     step: Callable[[Any], Any] = generator.send
     value: Any = None
@@ -292,10 +309,9 @@ def _generator_in(
         attempt._end(failure)
 
 
-async def _async_generator_in(
-    attempt: trajectory, ctx: Context, generator: AsyncGenerator[Any, Any]
-) -> AsyncGenerator[Any, Any]:
+async def _async_generator_in(start: Callable[[], Started]) -> AsyncGenerator[Any, Any]:
     """``_generator_in`` for an async generator."""
+    attempt, ctx, generator = start()
     failure: BaseException | None = None
     step: Callable[[Any], Awaitable[Any]] = generator.asend
     value: Any = None

@@ -9,6 +9,7 @@ functions live in a module written to a temporary folder per test, imported afte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import subprocess
@@ -26,7 +27,7 @@ import otel_session
 from otel_session import SESSION_HEADER
 from tests.recorder import Recorder
 
-ROLLOUTS = '''
+ROLLOUTS = """
 import asyncio, httpx, aiohttp
 
 URL = None
@@ -82,7 +83,7 @@ agent = Agent()
 def outer(turns):
     sync_rollout(1)
     return sync_rollout(turns)
-'''
+"""
 
 
 @pytest.fixture
@@ -126,7 +127,7 @@ def test_each_call_of_a_named_function_is_one_attempt_also_imported_before_confi
 def test_every_kind_of_callable_is_a_boundary(rollouts: str, dynamo: Recorder, qualified: str) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=f"{rollouts}:{qualified}")
     module = _load(rollouts, dynamo)  # imported after configure(): applied by the import hook
-    target = eval(f"module.{qualified}", {"module": module})  # noqa: S307 - the test's own names
+    target = eval(f"module.{qualified}", {"module": module})
     if qualified.startswith("Agent.run") and qualified not in ("Agent.run_class", "Agent.run_static"):
         target = getattr(module.Agent(), qualified.split(".")[1])
     if qualified == "Agent.__call__":
@@ -281,5 +282,44 @@ def test_a_router_request_outside_any_trajectory_is_told_once(
     httpx.get(dynamo.url + "/x")
     httpx.get(dynamo.url + "/y")
     told = [r.getMessage() for r in caplog.records if "outside any trajectory" in r.getMessage()]
-    assert len(told) == 1 and f"127.0.0.1:{dynamo.port}" in told[0] and "OTEL_SESSION_TRAJECTORY_FUNCTIONS" in told[0]
+    assert (
+        len(told) == 1
+        and f"127.0.0.1:{dynamo.port}" in told[0]
+        and "OTEL_SESSION_TRAJECTORY_FUNCTIONS" in told[0]
+    )
     assert _sessions(dynamo) == [None, None]  # sent exactly as before
+
+
+def test_a_named_coroutine_never_awaited_starts_no_attempt_and_warns_nothing(
+    rollouts: str, dynamo: Recorder
+) -> None:
+    import gc
+    import warnings
+
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:async_rollout"])
+    module = _load(rollouts, dynamo)
+    started = []
+    real_begin = otel_session.trajectory._begin
+
+    def counting_begin(self: otel_session.trajectory) -> object:
+        started.append(self)
+        return real_begin(self)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setattr(otel_session.trajectory, "_begin", counting_begin)  # noqa: B010
+        try:
+            module.async_rollout(1).close()
+
+            async def cancelled_before_start() -> None:
+                task = asyncio.ensure_future(module.async_rollout(1))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            asyncio.run(cancelled_before_start())
+            gc.collect()
+        finally:
+            setattr(otel_session.trajectory, "_begin", real_begin)  # noqa: B010
+    assert started == [] and dynamo.requests == []
+    assert not [w for w in caught if "never awaited" in str(w.message)]

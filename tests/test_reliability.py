@@ -32,7 +32,7 @@ from tests.recorder import Recorder
 class _Recording(http.server.BaseHTTPRequestHandler):
     seen: list[dict[str, str]]
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         self.seen.append({k.lower(): v for k, v in self.headers.items()})
         self.send_response(200)
         self.send_header("Content-Length", "2")
@@ -246,7 +246,9 @@ def test_stock_propagators_loaded_only_from_the_list_are_warned_about_once(
     assert len(warnings) == 1 and "OTEL_PROPAGATORS=dynamo_session" in warnings[0]
 
 
-@pytest.mark.parametrize("propagators", ["tracecontext,baggage,dynamo_session", "dynamo_session,tracecontext,baggage"])
+@pytest.mark.parametrize(
+    "propagators", ["tracecontext,baggage,dynamo_session", "dynamo_session,tracecontext,baggage"]
+)
 def test_stock_copies_are_taken_back_where_our_hooks_run_in_either_order(
     other: Recorder, dynamo: Recorder, propagators: str
 ) -> None:

@@ -75,11 +75,11 @@ class _Boundary:
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            attempt = self.template._fresh(self.read(args, kwargs))
+            template = self.template._fresh(self.read(args, kwargs))
         except Exception as exc:  # a bug of ours must not fail the rollout: it runs as it would
             _faults.report(f"opening a trajectory for {self.name}", exc)
             return wrapped(*args, **kwargs)
-        return as_attempt(attempt, wrapped, args, kwargs)
+        return as_attempt(template, wrapped, args, kwargs)
 
 
 class TrajectoryFunctionsInstrumentor(SessionInstrumentor):

@@ -1,0 +1,1 @@
+"""Stand-in for ``nemo_rl.models.generation`` (NeMo-RL is not installable from the package index)."""
