@@ -211,7 +211,7 @@ def test_a_name_that_does_not_resolve_is_one_warning_and_the_others_still_apply(
 def test_a_malformed_name_is_a_clear_error_as_an_argument_and_one_warning_as_a_variable(
     rollouts: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with pytest.raises(ValueError, match="module:Qualified.name"):
+    with pytest.raises(ValueError, match=r"module:Qualified\.name"):
         otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=["no colon here"])
     monkeypatch.setenv("OTEL_SESSION_TRAJECTORY_FUNCTIONS", f"bad name,{rollouts}:sync_rollout")
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", dynamo.url)
