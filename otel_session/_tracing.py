@@ -50,7 +50,7 @@ INSTALL_HINT = (
 
 _TRACER_NAME = "otel_session"
 _NOOP_TRACER = trace.NoOpTracer()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a signal handler may unconfigure() while tracing starts
 _provider: TracerProvider | None = None  # created at the first tracing-on, kept for the process
 _outlet: Outlet | None = None
 _tracer: trace.Tracer | None = None  # set only while tracing is on

@@ -323,3 +323,44 @@ def test_a_named_coroutine_never_awaited_starts_no_attempt_and_warns_nothing(
             setattr(otel_session.trajectory, "_begin", real_begin)  # noqa: B010
     assert started == [] and dynamo.requests == []
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_a_named_boundary_records_its_name_and_sample_index_on_its_span(
+    tmp_path: Path, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.otlp_receiver import OtlpHttpReceiver
+
+    name = f"samples_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        "async def run_sample(sample_idx, state):\n    return sample_idx\n\n"
+        "class Impl:\n    async def run_single(self, sample, traj_idx):\n        return traj_idx\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    try:
+        otel_session.configure(
+            dynamo_hosts=[dynamo.url],
+            tracing=True,
+            trajectory_functions=[f"{name}:run_sample", f"{name}:Impl.run_single"],
+        )
+        module = importlib.import_module(name)
+
+        async def run() -> None:
+            await asyncio.gather(module.run_sample(sample_idx=3, state={}), module.Impl().run_single({}, 5))
+
+        asyncio.run(run())
+        otel_session.unconfigure()  # flushes the spans
+        spans = {
+            span.attributes.get("otel_session.boundary"): span
+            for span in receiver.wait_for(lambda spans: len(spans) >= 2)
+        }
+        assert spans[f"{name}:run_sample"].attributes["otel_session.sample_index"] == 3
+        assert spans[f"{name}:run_sample"].name == "run_sample"
+        assert spans[f"{name}:Impl.run_single"].attributes["otel_session.sample_index"] == 5
+        assert all(span.attributes.get("session.id") for span in spans.values())
+    finally:
+        otel_session.unconfigure()
+        receiver.close()
+        sys.modules.pop(name, None)

@@ -11,6 +11,7 @@ import http.server
 import logging
 import multiprocessing
 import os
+import signal
 import socketserver
 import subprocess
 import sys
@@ -274,3 +275,53 @@ def test_stock_copies_are_taken_back_where_our_hooks_run_in_either_order(
     assert other.requests and other.requests[0].get("baggage") is None
     assert dynamo.requests[0].get(SESSION_HEADER)
     assert sum("OTEL_PROPAGATORS includes the stock" in line for line in done.stderr.splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_handler_that_unconfigures_while_tracing_starts_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The signal arrives while configure() and tracing's start hold their locks (main thread)."""
+    from otel_session import _export
+
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    handled: list[bool] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        otel_session.unconfigure()
+        handled.append(True)
+
+    real_exporter = _export.otlp_exporter
+
+    def exporter_with_a_signal() -> object:
+        signal.raise_signal(signal.SIGUSR1)  # the handler runs before this returns
+        return real_exporter()
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    monkeypatch.setattr(_export, "otlp_exporter", exporter_with_a_signal)
+    try:
+        otel_session.configure(dynamo_hosts=["dynamo:8000"], tracing=True)
+        assert handled == [True]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        otel_session.unconfigure()
+        receiver.close()
+
+
+def test_zero_code_keeps_the_good_hosts_beside_a_bad_one(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otel_session import _environment
+
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", f"http://,127.0.0.1:{dynamo.port}")
+    caplog.set_level(logging.WARNING, "otel_session")
+    _environment.configure_from_environment()
+    with otel_session.trajectory() as traj:
+        httpx.get(dynamo.url + "/v1/models")
+    assert dynamo.requests[0].get(SESSION_HEADER) == traj.session_id
+    bad = [r.getMessage() for r in caplog.records if "OTEL_SESSION_DYNAMO_HOSTS" in r.getMessage()]
+    assert len(bad) == 1 and "'http://'" in bad[0] and "left out" in bad[0]
+    with pytest.raises(ValueError, match=r"dynamo_hosts|http://"):
+        otel_session.configure(dynamo_hosts=["http://", f"127.0.0.1:{dynamo.port}"])  # strict as an argument
