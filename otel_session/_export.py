@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from otel_session import _tracing
 from otel_session._faults import logger
 
 ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
@@ -185,9 +184,8 @@ def otlp_exporter() -> SpanExporter:
         raise ValueError(f"{variable}={raw!r}: otel-session exports traces over 'grpc' or 'http/protobuf'")
     try:
         exporter_class = importlib.import_module(module).OTLPSpanExporter
-    except ImportError as exc:
-        hint = _tracing.INSTALL_HINT
-        raise ImportError(f"otel-session tracing over {protocol} needs {module}: {hint}") from exc
+    except ImportError as exc:  # _tracing adds how to install it
+        raise ImportError(f"otel-session tracing over {protocol} needs {module}") from exc
     traces_timeout = os.environ.get(ENV_TRACES_TIMEOUT)
     if protocol == "grpc" and traces_timeout and not _is_number(traces_timeout):
         # The gRPC exporter parses this variable itself, whatever timeout it is given, and fails.

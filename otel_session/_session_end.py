@@ -395,7 +395,8 @@ class _Router:
         finally:
             connection.close()
         if not 200 <= response.status < 300:  # a redirect too: a notice goes nowhere but its router
-            raise http.client.HTTPException(f"HTTP {response.status} {response.reason} for {method} {path}")
+            where = path.split("?")[0]  # the query holds the session ID, which a warning does not show
+            raise http.client.HTTPException(f"HTTP {response.status} {response.reason} for {method} {where}")
         return payload
 
 
@@ -486,7 +487,7 @@ class _Lookup:
 
     The resolver has no timeout of its own; a notice waits for it only until its deadline, and notices
     to one router never start a second look-up while one is running, so slow look-ups hold no slot and
-    leave at most one thread per router behind.
+    leave at most one thread per router behind (and no more than there are slots in all).
     """
 
     def __init__(self, key: tuple[str, int]) -> None:
@@ -527,6 +528,8 @@ def _addresses(host: str, port: int, deadline: float) -> list[tuple[int, Any]]:
     with _lookups_lock:
         lookup = _lookups.get(key)
         if lookup is None:
+            if len(_lookups) >= _MAX_IN_FLIGHT:  # a resolver hanging for every name: start no more
+                raise TimeoutError(f"{len(_lookups)} name look-ups are still hanging; not looking up {host}")
             lookup = _lookups[key] = _Lookup(key)
             try:
                 threading.Thread(target=lookup.run, name="otel-session-lookup", daemon=True).start()

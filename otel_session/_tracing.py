@@ -113,7 +113,10 @@ def _start(upstream: Sequence[tuple[str, str]]) -> None:
             importlib.reload(_span_processor)
     except ImportError as exc:
         raise ImportError(f"otel-session tracing needs the OpenTelemetry SDK: {INSTALL_HINT}") from exc
-    exporter = otlp_exporter()
+    try:
+        exporter = otlp_exporter()
+    except ImportError as exc:
+        raise ImportError(f"{exc}: {INSTALL_HINT}") from exc
     if _provider is None or _outlet is None:
         _outlet = Outlet()
         _provider = TracerProvider(resource=Resource.create(), shutdown_on_exit=False)

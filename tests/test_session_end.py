@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import otel_session
-from otel_session._session_end import BUDGET_SECONDS
+from otel_session._session_end import BUDGET_SECONDS, NOTICE_DEADLINE_S
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
 from tests.loopback import AsgiServer
 from tests.routers import Backend, RouterProcess, backends, router
@@ -284,7 +284,7 @@ class _SlowEnds:
 def test_a_slow_router_delays_the_exit_by_at_most_the_budget(
     profile: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    slow = _SlowEnds(delay=2.0)
+    slow = _SlowEnds(delay=NOTICE_DEADLINE_S + 0.5)  # slower than a notice may take: it fails
     with AsgiServer(slow.app()) as server:
         otel_session.configure(routers={profile: [server.authority]}, end_sessions=True)
         with httpx.Client() as client:
