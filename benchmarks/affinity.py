@@ -8,6 +8,7 @@ ceiling, mean and p90 TTFT (Dynamo's own ``nvext.timing``) and worker switches p
 
     python benchmarks/affinity.py            # full: 32 conversations x 6 turns per cell, ~6k-token prompts
     python benchmarks/affinity.py --quick    # smaller, for a smoke run
+    python benchmarks/affinity.py --plot-only  # redraw affinity.png from affinity.json, no Dynamo
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 
     cells = sorted({(r["workers"], r["router"]) for r in rows})
     labels = [f"{w} workers\n{router}" for w, router in cells]
-    fig, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (hits, ttft) = plt.subplots(1, 2, figsize=(11, 4.4))
     width = 0.38
     for offset, arm, color in ((-width / 2, "absent", "#b0b0b0"), (width / 2, "otel-session", "#2a7ab9")):
         by_cell = {(r["workers"], r["router"]): r for r in rows if r["arm"] == arm}
@@ -97,17 +98,38 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     for axis, title in ((hits, "prefix-cache hit rate, turns 2+"), (ttft, "mean TTFT, turns 2+ (ms)")):
         axis.set_xticks(range(len(cells)), labels)
         axis.set_title(title)
-        axis.legend(fontsize=8, loc="lower left")
+    # One legend for both panels, below them: inside a panel it covered bars.
+    handles, names = hits.get_legend_handles_labels()
+    order = sorted(range(len(names)), key=lambda i: names[i] == "ceiling")  # the arms first
+    fig.legend(
+        [handles[i] for i in order],
+        [names[i] for i in order],
+        loc="lower center",
+        ncol=len(names),
+        fontsize=9,
+        frameon=False,
+    )
     fig.suptitle("Dynamo 1.6.1 with mocker workers: session affinity via otel-session")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="9 conversations x 4 turns per cell")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="redraw affinity.png from the affinity.json in --out; runs no Dynamo",
+    )
     args = parser.parse_args(argv)
+    if args.plot_only:
+        rows = json.loads((args.out / "affinity.json").read_text())["rows"]
+        chart(rows, args.out / "affinity.png")
+        print(f"wrote {args.out / 'affinity.png'} from {args.out / 'affinity.json'}")
+        return 0
     if args.quick:
         workload, concurrency = Workload(prompts=9, siblings=1, turns=4, prompt_words=1500, turn_words=120), 5
     else:

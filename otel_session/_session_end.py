@@ -24,6 +24,10 @@ application adds to them.
 
 A plain ``with`` exiting on a thread that runs an event loop (asyncio, or trio, anyio on either) does
 not wait at all; ``async with`` awaits the notices on whichever of the two runs it.
+
+Over 300 lines because every bound is its own code: two router protocols, a deadline that the
+standard library's per-operation timeouts cannot give (name look-up and each read of a dripping
+peer), a bounded pool of slots, and a waiting side for each of asyncio and trio.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -21,8 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from otel_session.dynamo.cli import Progress
-from otel_session.dynamo import LocalDynamo
+from otel_session.dynamo import LocalDynamo, _checks
+from otel_session.dynamo.cli import Progress, Verdict
+from otel_session.dynamo.doctor import diagnose
+from otel_session.dynamo.sizing import sizing_note
+from otel_session.dynamo.workload import Summary
 
 _BIN = Path(sys.executable).parent / "otel-session"
 CLI = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "otel_session.dynamo.cli"]
@@ -85,6 +89,7 @@ BAD_FLAGS = [
     (["install-dynamo", "--now"], "--now", "--help"),
     (["--affinity-ttl", "0"], "--affinity-ttl", "1 to 31536000"),
     (["--router", "bogus"], "--router", "round-robin"),
+    (["--router", "direct"], "--router", "device-aware-weighted"),
     (["--base-url", "notaurl"], "--base-url", "http://dynamo:8000/v1"),
     (["--base-url", "http://host:99999/v1"], "--base-url", "http://dynamo:8000/v1"),
     (["--base-url", "ftp://host/v1"], "--base-url", "http://dynamo:8000/v1"),
@@ -128,6 +133,44 @@ def test_a_bad_variable_is_one_line_and_exit_2_before_anything_starts(
     assert_one_line(proc, 2, name, says)
 
 
+CREDENTIALS = [
+    "http://user:s3cret@127.0.0.1:9/v1",
+    "https://user:s3cret@dynamo.example:8443/v1",
+    "http://:s3cret@127.0.0.1:9/v1",
+    "http://user:s3cret@127.0.0.1:99999/v1",  # a bad port too: still no echo of the password
+    "user:s3cret@127.0.0.1:9/v1",  # no scheme
+    "http://user:s3c/ret@127.0.0.1:9/v1",  # a slash in the password: urlsplit sees no userinfo
+]
+
+
+@pytest.mark.parametrize("url", CREDENTIALS)
+@pytest.mark.parametrize("command", [["doctor"], []], ids=["doctor", "run"])
+def test_credentials_in_the_base_url_are_refused_in_one_line_that_never_shows_them(
+    url: str, command: list[str]
+) -> None:
+    proc = run_cli(*command, "--base-url", url)
+    assert_one_line(
+        proc, 2, "--base-url", "credentials in the URL are not supported", "without user:password@"
+    )
+    assert "s3c" not in proc.stderr + proc.stdout
+
+
+def test_diagnose_refuses_credentials_without_repeating_them() -> None:
+    with pytest.raises(ValueError, match=r"^base_url: credentials in the URL are not supported") as error:
+        diagnose("http://user:s3cret@127.0.0.1:9/v1")
+    assert "s3cret" not in str(error.value)
+
+
+def test_the_command_and_local_dynamo_refuse_a_router_mode_in_the_same_words() -> None:
+    """One check, two callers: only the argument's name differs."""
+    with pytest.raises(ValueError) as api:
+        LocalDynamo(router_mode="kvv")
+    line = assert_one_line(run_cli("--router", "kvv"), 2, "argument --router: ")
+    words = str(api.value).removeprefix("router_mode: ")
+    assert words != str(api.value) and words in line
+    assert ", ".join(_checks.ROUTER_MODES) in words
+
+
 def test_a_dead_base_url_is_one_line_pointing_at_doctor(dead_url: str) -> None:
     line = assert_one_line(run_cli("--base-url", dead_url), 1, dead_url, "doctor --base-url")
     assert "refused" in line.lower()
@@ -147,12 +190,13 @@ def test_doctor_against_a_dead_port_reports_and_exits_1(dead_url: str) -> None:
 # No real part can uninstall a package from the shared test environment, so this interpreter is told
 # to behave as if the `cli` extra were not installed: a meta-path finder that refuses exactly those
 # modules, the way Python reacts when they are absent.
-WITHOUT_OPENAI = textwrap.dedent(
+WITHOUT = textwrap.dedent(
     """
     import sys
+    ABSENT = tuple(sys.argv.pop(1).split(","))
     class Absent:
         def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("openai", "httpx2"):
+            if name.split(".")[0] in ABSENT:
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name)
             return None
     sys.meta_path.insert(0, Absent())
@@ -163,13 +207,25 @@ WITHOUT_OPENAI = textwrap.dedent(
 )
 
 
+def _distribution(requirement: str) -> str:
+    return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
+
+
+@pytest.mark.parametrize("absent", ["openai,httpx2", "httpx2", "openai"])
 @pytest.mark.parametrize(
     "command", [[], ["doctor", "--base-url", "http://127.0.0.1:9/v1"]], ids=["run", "doctor"]
 )
-def test_without_the_cli_extra_it_names_the_install_command_and_starts_nothing(command: list[str]) -> None:
-    proc = run_cli(*command, prefix=[sys.executable, "-c", WITHOUT_OPENAI])
-    line = assert_one_line(proc, 1, "openai", "pip install", "openai>=")
+def test_without_the_cli_extra_it_installs_exactly_what_is_missing_and_starts_nothing(
+    command: list[str], absent: str
+) -> None:
+    proc = run_cli(*command, prefix=[sys.executable, "-c", WITHOUT, absent])
+    line = assert_one_line(proc, 1, *absent.split(","), "pip install")
     assert "installing" not in line  # nothing is installed unasked
+    pip = shlex.split(line.split("install with: ", 1)[1])
+    assert pip[:4] == [sys.executable, "-m", "pip", "install"], pip
+    assert [_distribution(r) for r in pip[4:]] == absent.split(","), pip  # httpx2 is not httpx
+    if "openai" in absent:
+        assert any(r.startswith("openai>=") for r in pip[4:]), pip  # the extra's floor
 
 
 def test_a_dynamo_interpreter_without_dynamo_is_named(tmp_path: Path) -> None:
@@ -211,8 +267,40 @@ def test_the_demo_runs_both_arms_and_ends_on_one_verdict_line() -> None:
     pinned, total, pinned_without, total_without = map(int, _verdict(proc.stdout).groups())
     assert (pinned, total, total_without) == (9, 9, 9)
     assert pinned_without < 9  # round-robin without a header moves trajectories between workers
-    assert re.search(r"hit rate \d+% vs \d+%; TTFT [\d.]+x$", proc.stdout.strip().splitlines()[-1])
+    assert re.search(
+        r"hit rate \d+% vs \d+%; TTFT ([\d.]+x (faster|slower)|about the same) with sessions",
+        proc.stdout.strip().splitlines()[-1],
+    )
     assert proc.stdout.strip().splitlines()[-1].startswith("verdict: ")
+
+
+def _summary(mean_ttft_ms: float) -> Summary:
+    return Summary(
+        trajectories=9,
+        pinned=9,
+        prompts_spread=3,
+        prompts=3,
+        hit_rate=0.5,
+        ceiling=0.9,
+        mean_ttft_ms=mean_ttft_ms,
+        p90_ttft_ms=mean_ttft_ms * 2,
+        mean_switches=0.0,
+        errors=0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("with_ms", "without_ms", "says"),
+    [
+        (40.0, 52.0, "TTFT 1.3x faster with sessions"),
+        (52.0, 40.0, "TTFT 1.3x slower with sessions"),
+        (40.0, 41.0, "TTFT about the same with sessions (within 5%)"),
+        (41.0, 40.0, "TTFT about the same with sessions (within 5%)"),
+    ],
+)
+def test_the_verdict_says_which_way_ttft_moved(with_ms: float, without_ms: float, says: str) -> None:
+    line = Verdict.of(_summary(with_ms), _summary(without_ms)).line
+    assert line.split("; ")[2] == says, line
 
 
 def test_one_worker_pins_either_way_and_the_verdict_says_it_proves_nothing() -> None:
@@ -286,6 +374,7 @@ def test_doctor_on_a_pinning_deployment_passes_with_no_fix_and_counts_only_sessi
     # 3 probe sessions x 4 requests were meant to carry the header; the 1 + 4 free ones were not
     assert checks["header sent"]["detail"].startswith("12 of 12 requests sent in a session")
     assert checks["no header outside a session"]["detail"].startswith("0 requests")
+    assert checks["session table"]["detail"] == " ".join(sizing_note())  # sizing's words, not a copy
 
 
 def test_doctor_on_a_deployment_without_affinity_names_the_flag(

@@ -298,3 +298,57 @@ def test_a_mode_the_version_lacks_is_refused_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="no --router-session-affinity-mode"):
         dyn.start()
     assert dyn.pids == [] and dyn.run_dir is None
+
+
+# ------------------------------------------------------------------------------------------ arguments
+
+BAD_ARGUMENTS = [
+    ({"router_mode": "kvv"}, "router_mode", "round-robin, random, kv"),
+    ({"affinity_mode": "sticky"}, "affinity_mode", "hard, soft"),
+    ({"port": 70000}, "port", "1 to 65535"),
+    ({"port": 0}, "port", "None (a free port is picked)"),
+    ({"affinity_ttl_secs": 0}, "affinity_ttl_secs", "1 to 31536000"),
+    ({"workers": 0}, "workers", "at least 1"),
+    ({"frontends": 0}, "frontends", "at least 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name", "accepts"),
+    BAD_ARGUMENTS,
+    ids=[next(iter(k)) + "=" + repr(*k.values()) for k, _, _ in BAD_ARGUMENTS],
+)
+def test_a_bad_argument_is_one_line_naming_it_and_what_it_accepts(
+    kwargs: dict[str, Any], name: str, accepts: str
+) -> None:
+    with pytest.raises(ValueError) as error:
+        LocalDynamo(**kwargs)
+    message = str(error.value)
+    assert message.startswith(f"{name}: expected ") and accepts in message, message
+    assert repr(next(iter(kwargs.values()))) in message and "\n" not in message
+
+
+def test_a_port_somebody_listens_on_is_one_line_before_anything_starts() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", reserve_port()))
+        busy.listen()
+        port = busy.getsockname()[1]
+        dyn = LocalDynamo(workers=1, port=port, startup_timeout=30)
+        began = time.monotonic()
+        with pytest.raises(DynamoStartError) as error:
+            dyn.start()
+        assert time.monotonic() - began < 2  # nothing installed, spawned or waited for
+    message = str(error.value)
+    assert (
+        message == f"port: 127.0.0.1:{port} is already in use; pass another port, or port=None for a free one"
+    )
+    assert dyn.pids == [] and dyn.run_dir is None and not dyn.running
+
+
+def test_a_fixed_port_a_stack_just_left_is_free_for_the_next() -> None:
+    """The check binds as the frontend does: a port in TIME_WAIT after a stop is not "in use"."""
+    port = reserve_port()
+    for _ in range(2):
+        with LocalDynamo(workers=1, port=port) as dyn:
+            assert dyn.port == port
+            assert _ask(dyn, "sess-port") == 0

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import otel_session
 from otel_session import SESSION_HEADER, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
-from otel_session.dynamo.sizing import sizing_note
+from otel_session.dynamo.sizing import FULL_ANSWER, sizing_note
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -160,7 +160,9 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
             "requests succeed",
             False,
             f"{type(exc).__name__}: {exc}",
-            "a request failed; if it failed only with a session, the session ID may be over 256 bytes",
+            "a request failed; if it failed only with a session, the session ID may be over 256 bytes "
+            f"(HTTP 400) or Dynamo's session table full ({FULL_ANSWER} for new sessions; see "
+            "--router-session-affinity-ttl-secs and the capacity rule)",
         )
         return report
     finally:
