@@ -82,8 +82,8 @@ class Plan:
         ``callers_only=False`` where a stock propagator composed with ours may have copied our values
         into the request: what is recognisably ours is then taken back where it must not go.
         """
-        if not held and callers_only:
-            return self
+        if not held:
+            return self  # the answer remembered is the answer for a request holding none of them
         if not self.route and callers_only:
             return self  # goes nowhere, and everything it holds is its caller's: nothing to do
         edits = plan(self.route, self._offered.offer, held, callers_only=callers_only)

@@ -364,3 +364,26 @@ def test_a_named_boundary_records_its_name_and_sample_index_on_its_span(
         otel_session.unconfigure()
         receiver.close()
         sys.modules.pop(name, None)
+
+
+def test_a_function_named_twice_a_preset_and_by_the_user_is_one_boundary(
+    rollouts: str, dynamo: Recorder
+) -> None:
+    from otel_session.instrumentation.boundaries import TrajectoryFunctionsInstrumentor
+
+    class Preset(TrajectoryFunctionsInstrumentor):
+        library = "otel_session"
+        presets = (f"{rollouts}:sync_rollout",)
+
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:sync_rollout"])
+    preset = Preset()
+    preset.instrument()
+    try:
+        module = _load(rollouts, dynamo)
+        module.sync_rollout(2)
+        module.sync_rollout(1)
+    finally:
+        preset.uninstrument()
+    sessions = _sessions(dynamo)
+    assert sessions[0] == sessions[1] != sessions[2] and None not in sessions
+    assert all(seen.get("X-Dynamo-Parent-Session-ID") is None for seen in dynamo.requests)  # not nested

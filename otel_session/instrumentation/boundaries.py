@@ -82,6 +82,9 @@ class _Boundary:
         return as_attempt(template, wrapped, args, kwargs)
 
 
+_BOUNDARIES: dict[str, _Boundary] = {}
+
+
 class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
     """Named trajectory boundaries (entry point ``otel_session_boundaries``): the functions named in
     ``Settings.trajectory_functions``, plus a subclass's ``presets``."""
@@ -98,7 +101,6 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         self._names: tuple[str, ...] = ()
         self._hooked: set[str] = set()  # modules with a post-import hook (cannot be removed)
         self._applied: set[str] = set()
-        self._boundaries: dict[str, _Boundary] = {}
         self._exit_check = False
         self._names_lock = threading.RLock()
 
@@ -155,9 +157,9 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                 )
             return
         try:
-            boundary = self._boundaries.get(name)
-            if boundary is None:
-                boundary = self._boundaries[name] = _Boundary(name, getattr(owner, attribute))
+            boundary = _BOUNDARIES.get(name)
+            if boundary is None:  # one wrapper per name, whichever instrumentor names it: never twice
+                boundary = _BOUNDARIES[name] = _Boundary(name, getattr(owner, attribute))
             self.patch(owner, attribute, boundary)
         except Exception as exc:
             _faults.report(f"making {name} a trajectory boundary", exc)
