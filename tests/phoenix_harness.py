@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from tests.support import exited_unreaped
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO / "scripts" / "phoenix_loopback.py"
 DEFAULT_PYTHON = REPO / ".venv-phoenix" / "bin" / "python"
@@ -139,14 +141,6 @@ def listening_sockets(root: int) -> list[ListeningSocket]:
     return found
 
 
-def _exited_unreaped(pid: int) -> bool:
-    """Has our child ``pid`` exited? It stays a zombie, so its id is not reused yet."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
 class Phoenix:
     """``with Phoenix() as phoenix:`` a running Phoenix; ``phoenix.endpoint`` takes OTLP/HTTP."""
 
@@ -241,7 +235,7 @@ class Phoenix:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
             deadline = time.monotonic() + 15
-            while not _exited_unreaped(process.pid) and time.monotonic() < deadline:
+            while not exited_unreaped(process.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)  # the leader if it hung, and anything it left

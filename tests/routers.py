@@ -42,6 +42,7 @@ from starlette.routing import Route
 
 from tests.loopback import AsgiServer, Served
 from tests.recorder import Seen
+from tests.support import exited_unreaped
 
 RouterKind = Literal["vllm-router", "smg"]
 LOOPBACK = "127.0.0.1"
@@ -150,14 +151,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
-
-
-def _exited_unreaped(pid: int) -> bool:
-    """Has our child ``pid`` exited? Leaves it a zombie so its PID (the group id) stays taken."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
 
 
 def group_members(pgid: int) -> list[int]:
@@ -356,7 +349,7 @@ class RouterProcess(Served):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
-        while time.monotonic() < deadline and (not _exited_unreaped(pgid) or group_members(pgid)):
+        while time.monotonic() < deadline and (not exited_unreaped(pgid) or group_members(pgid)):
             time.sleep(0.02)
         # The leader is still unreaped here, so ``pgid`` names only this router's group.
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -464,7 +457,7 @@ class ThunderAgentProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(popen.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (not _exited_unreaped(popen.pid) or group_members(popen.pid)):
+        while time.monotonic() < deadline and (not exited_unreaped(popen.pid) or group_members(popen.pid)):
             time.sleep(0.02)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(popen.pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ while taking it back.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,8 @@ import otel_session
 from otel_session import SESSION_HEADER, _carriers, _faults, _hop, _propagator, servers
 from otel_session._hosts import HostRules
 from otel_session._propagator import SessionPropagator
+from otel_session.instrumentation import aiohttp_client as aiohttp_hook
+from otel_session.instrumentation import httpx as httpx_hook
 from tests.clients import CLIENTS, send
 from tests.gym_servers import AsgiServer
 from tests.recorder import Recorder, wait_until
@@ -83,14 +86,14 @@ async def test_a_failing_start_of_a_trajectory_fails_nothing_and_its_requests_ca
     """What a trajectory offers is remembered as it starts; if that fails, the trajectory still runs
     and its first request reads the offer from the context itself."""
     otel_session.configure(dynamo_hosts=[dynamo.authority])
-    remember = _hop._remember
+    offered = _hop.Offered
 
-    def failing_when_told(settings: Any, ctx: Context, offer: Any = None) -> Any:
-        if offer is not None:  # told by the trajectory starting, not read by a request
+    def failing_when_told(*args: Any) -> Any:
+        if sys._getframe(1).f_code is _hop.entered.__code__:  # the trajectory starting, not a request
             raise Boom("forced failure inside otel-session")
-        return remember(settings, ctx)
+        return offered(*args)
 
-    monkeypatch.setattr(_hop, "_remember", failing_when_told)
+    monkeypatch.setattr(_hop, "Offered", failing_when_told)
     caplog.set_level(logging.WARNING, logger="otel_session")
     sessions = []
     for _ in range(3):
@@ -146,7 +149,7 @@ async def test_a_failing_header_restore_fails_no_request_and_is_logged_once(
     headers with ours on its ``ClientRequest`` for the send, and takes ours out of it afterwards.)
     """
     otel_session.configure(dynamo_hosts=[dynamo.authority])
-    monkeypatch.setattr(_carriers, "restore", _boom)
+    monkeypatch.setattr(aiohttp_hook, "_restore", _boom)
     caplog.set_level(logging.WARNING, logger="otel_session")
     with otel_session.trajectory() as traj:
         for _ in range(REQUESTS):
@@ -253,8 +256,8 @@ def _fail_after_the_first_edit(original: Any) -> Any:
 
 
 def _fail_once_ours_are_in_a_copy(original: Any) -> Any:
-    """Every httpx hop builds headers of its own with ours, then the request around them (the
-    express path in one step, ``stand_in``): that fails, once the headers hold every header of ours."""
+    """Every httpx hop builds headers of its own with ours (``_copy_headers``), then the request
+    around them: that fails, once the headers hold every header of ours."""
 
     def headers_with(*args: Any, **kwargs: Any) -> Any:
         original(*args, **kwargs)
@@ -264,11 +267,13 @@ def _fail_once_ours_are_in_a_copy(original: Any) -> Any:
 
 
 def _fail_midway(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if where == "apply":
+    if where == "apply":  # httpx's copy of headers holding one of ours already; aiohttp's send
         monkeypatch.setattr(_carriers, "apply", _fail_after_the_first_edit(_carriers.apply))
+        monkeypatch.setattr(aiohttp_hook, "_edit", _fail_after_the_first_edit(aiohttp_hook._edit))
     else:
-        for name in ("_headers_with", "stand_in"):
-            monkeypatch.setattr(_carriers, name, _fail_once_ours_are_in_a_copy(getattr(_carriers, name)))
+        monkeypatch.setattr(
+            httpx_hook, "_copy_headers", _fail_once_ours_are_in_a_copy(httpx_hook._copy_headers)
+        )
 
 
 @pytest.mark.parametrize("where", ["apply", "copy"])
@@ -283,7 +288,8 @@ async def test_a_failure_midway_sends_the_callers_request_as_it_was(
     with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory():
         await send(kind, dynamo.url)
     [seen] = dynamo.requests
-    # aiohttp edits through apply; httpx's usual hop appends to a copy without it, then copies the request
+    # aiohttp edits its send's headers (_edit); httpx's usual hop appends to a copy without apply, then
+    # copies the request
     reached = {"apply": kind.startswith("aiohttp"), "copy": not kind.startswith("aiohttp")}[where]
     assert bool(_reports(caplog)) == reached
     ours = [seen.get(SESSION_HEADER), seen.get("baggage")]
@@ -312,8 +318,8 @@ async def test_a_failing_request_copy_does_not_leak_the_session_to_a_redirect_ta
 ) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.authority])
     dynamo.redirect_to = other.url
-    for name in ("copy_request", "request_for_transport", "stand_in"):
-        monkeypatch.setattr(_carriers, name, _boom)
+    for name in ("_copy_request", "_stand_in"):
+        monkeypatch.setattr(httpx_hook, name, _boom)
     async with httpx.AsyncClient(follow_redirects=True) as client:
         with otel_session.trajectory():
             (await client.get(f"{dynamo.url}/r/v1/models")).raise_for_status()

@@ -50,13 +50,16 @@ from starlette.routing import Route as StarletteRoute
 
 import otel_session
 from benchmarks._servers import canned_aiohttp_connector
-from otel_session import _carriers, _faults, _httpx_instrumentor, _settings
+from otel_session import _carriers, _faults, _settings
 from otel_session._context import HOP_KEY, session_ids
-from otel_session._hop import Hop, offer_for
+from otel_session._hop import Hop, Offered, Plan, offer_for
 from otel_session._hosts import NOWHERE, HostPattern, HostRules, Route, parse_patterns
 from otel_session._policy import Offer, names_for, plan
 from otel_session._propagator import SessionPropagator, extract_session
 from otel_session._routers import BUILTIN, DYNAMO, Profile, profile_named
+from otel_session._settings import Settings
+from otel_session.instrumentation import aiohttp_client as aiohttp_hook
+from otel_session.instrumentation import httpx as httpx_hook
 from otel_session.servers import SessionMiddleware
 from tests.generated import MANY
 from tests.loopback import AsgiServer
@@ -400,16 +403,29 @@ def present(carrier: Any, name: str) -> bool:
     return name in carrier
 
 
-def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
-    """``_carriers`` (httpx's fast path included) against each carrier type's public API.
+def a_plan(route: Route, offer: Offer, edits: list[tuple[str, str | None]]) -> Plan:
+    """A hop's ``Plan`` for ``route`` carrying ``edits``: its ``names``, ``raw_names`` and ``wire``
+    are what the client hooks read and append."""
+    return Plan(Offered(Settings(), Context(), offer), route, ("http", "dynamo.internal", 8000), edits)
 
-    For random headers, routes and offers: what ``read`` finds is what the carrier holds, and applying
-    ``plan``'s edits through the adapter, to the carrier or to the hop's copy of it, gives the same
-    headers (as a multiset: the fast path appends where ``Headers.__setitem__`` replaces in place);
-    the copy leaves the caller's headers exactly as they were.
+
+def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
+    """``_carriers`` and the client hooks' own ways into their headers (httpx's header list,
+    multidict's keys view) against each carrier type's public API.
+
+    For random headers, routes and offers: what ``read`` finds is what the carrier holds (and what
+    each hook's ``_held`` finds, its fast path included), and applying ``plan``'s edits through
+    ``_carriers.apply`` to the carrier, or as a hop does to its copy of it (httpx's ``_copy_headers``
+    appending the plan's ``wire`` where the caller held none of the names, aiohttp's ``_edit``), gives
+    the same headers (as a multiset: the fast path appends where ``Headers.__setitem__`` replaces in
+    place); the copy leaves the caller's headers exactly as they were.
     """
-    assert _carriers.kind_of(httpx.Headers()) == _carriers.kind_of(httpx2.Headers()) == _carriers._ENTRIES
-    assert _carriers.kind_of(CIMultiDict()) == _carriers._MULTIDICT
+    assert httpx_hook._listed(httpx.Headers()) and httpx_hook._listed(httpx2.Headers())
+    assert aiohttp_hook._fast(CIMultiDict())
+    assert all(
+        _carriers.case_insensitive(build_carrier(kind, [])) for kind in CARRIER_TYPES if kind != "dict"
+    )
+    assert not _carriers.case_insensitive({})
 
     @MANY
     @given(
@@ -432,15 +448,22 @@ def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
         names = names_for(route)
         held = _carriers.read(carrier, names)
         assert set(held) == {name for name in names if present(reference, name)}, (held, pairs)
+        if kind == "multidict":
+            assert aiohttp_hook._held(carrier, a_plan(route, offer, [])) == held
+        elif kind != "dict":
+            assert httpx_hook._held(carrier, a_plan(route, offer, [])) == held
         edits = plan(route, offer, held, callers_only=callers_only, replaceable=frozenset(replaceable))
+        copy = None
         if kind != "dict":
             before = list(header_multiset(carrier).elements())
-            copy = _carriers.copy_headers(carrier)
-            _carriers.apply(copy, edits)
+            if kind == "multidict":
+                copy = carrier.copy()
+                aiohttp_hook._edit(copy, edits, held)  # as a send does, having just read it
+            else:
+                wire = None if held else a_plan(route, offer, edits).wire
+                copy = httpx_hook._copy_headers(carrier, edits, wire)
             assert list(header_multiset(carrier).elements()) == before  # the caller's, untouched
-        else:
-            copy = None
-        _carriers.apply(carrier, edits, held=frozenset(held))  # as a hop does, having just read it
+        _carriers.apply(carrier, edits)
         apply_publicly(reference, edits)
         assert header_multiset(carrier) == header_multiset(reference), (pairs, edits)
         if copy is not None:
@@ -463,9 +486,9 @@ def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> No
     """What a hop sends in place of the caller's ``Request`` against the public API: its headers are
     the caller's with ``plan``'s edits made publicly, every other attribute is the caller's own
     (body read or streaming, extensions, a subclass's or a caller's own attribute), and the caller's
-    ``Request`` is exactly as it was. ``copy_request`` (any other transport: a copy of the exact
-    type, attribute by attribute) and ``request_for_transport`` (httpx's own transport, for exact
-    ``Request`` types: only the attributes that transport reads)."""
+    ``Request`` is exactly as it was. ``_copy_request`` (any other transport: a copy of the exact
+    type, attribute by attribute) and ``_stand_in`` (httpx's own transport, for exact ``Request``
+    types: only the attributes that transport reads), each with ``_copy_headers`` as the hop makes it."""
 
     @MANY
     @given(
@@ -474,7 +497,7 @@ def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> No
         st.sampled_from(["bytes", "stream", "subclass", "attribute"]),
         st.sampled_from(ROUTES),
         hop_offers(),
-        st.sampled_from(["copy_request", "request_for_transport"]),
+        st.sampled_from(["_copy_request", "_stand_in"]),
     )
     def check(
         pairs: list[tuple[str, str]], module: Any, body: str, route: Route, offer: Offer, how: str
@@ -486,44 +509,50 @@ def test_a_hops_request_copy_is_the_callers_request_with_the_plans_edits() -> No
         if body == "attribute":
             request.tag = "set by the caller"  # an exact httpx Request with an attribute of its own
         before = (list(request.headers.raw), dict(vars(request)))
-        held = _carriers.read(request.headers, names_for(route))
+        held = httpx_hook._held(request.headers, a_plan(route, offer, []))
         edits = plan(route, offer, held)
-        sent = getattr(_carriers, how)(request, edits, frozenset(held))
+        wire = None if held else a_plan(route, offer, edits).wire
+        sent = getattr(httpx_hook, how)(request, httpx_hook._copy_headers(request.headers, edits, wire))
         reference = module.Headers(request.headers.raw)
         apply_publicly(reference, edits)
         assert header_multiset(sent.headers) == header_multiset(reference), (pairs, edits)
         assert (list(request.headers.raw), dict(vars(request))) == before  # the caller's, untouched
         assert sent is not request and sent.headers is not request.headers
-        if how == "copy_request":
+        if how == "_copy_request":
             assert type(sent) is type(request)
             assert {k: v for k, v in vars(sent).items() if k != "headers"} == {
                 k: v for k, v in vars(request).items() if k != "headers"
             }
         else:
-            assert type(sent) is type(request) and set(vars(sent)) == _carriers.TRANSPORT_READS
-            shared = _carriers.TRANSPORT_READS - {"headers"}
+            assert type(sent) is type(request) and set(vars(sent)) == httpx_hook.TRANSPORT_READS
+            shared = httpx_hook.TRANSPORT_READS - {"headers"}
             assert all(getattr(sent, k) is getattr(request, k) for k in shared)
 
     check()
 
 
-def test_snapshot_and_restore_put_a_multidict_back_exactly() -> None:
-    """aiohttp's hop: ``ClientRequest.headers`` edited for one send, then restored to the caller's
-    items exactly (names as spelt, values, order), whatever the edits were; with no copy of the rest
-    where the caller held none of the names read."""
+def test_a_sends_headers_are_put_back_exactly_after_the_send() -> None:
+    """aiohttp's hop: a send gets a copy of ``ClientRequest.headers`` with the edits (``_edit``), and
+    after the send ``_restore`` puts the copy back to the caller's items exactly (names as spelt,
+    values, order), whatever the edits were; with no copy of the rest kept where the caller held none
+    of the names read. The caller's own headers are never touched."""
 
     @MANY
     @given(existing_headers(), st.sampled_from(ROUTES), hop_offers(), st.booleans())
     def check(pairs: list[tuple[str, str]], route: Route, offer: Offer, callers_only: bool) -> None:
-        headers = CIMultiDict(pairs)
-        held = _carriers.read(headers, names_for(route))
+        callers = CIMultiDict(pairs)
+        held = aiohttp_hook._held(callers, a_plan(route, offer, []))
         edits = plan(route, offer, held, callers_only=callers_only)
-        saved = _carriers.snapshot(headers, frozenset(held))
-        assert (saved is None) == (not held)
-        _carriers.apply(headers, edits, held=frozenset(held))
-        headers.add("Connection", "keep-alive")  # what aiohttp's send adds meanwhile stays, after them
-        _carriers.restore(headers, saved, [name for name, _ in edits])
-        assert list(headers.items()) == [*pairs, ("Connection", "keep-alive")], edits
+        saved = list(callers.items()) if held else None  # as the send keeps them
+        sent = callers.copy()
+        aiohttp_hook._edit(sent, edits, held)
+        reference = CIMultiDict(pairs)
+        apply_publicly(reference, edits)
+        assert header_multiset(sent) == header_multiset(reference), (pairs, edits)
+        sent.add("Connection", "keep-alive")  # what aiohttp's send adds meanwhile stays, after them
+        aiohttp_hook._restore(sent, saved, [name for name, _ in edits])
+        assert list(sent.items()) == [*pairs, ("Connection", "keep-alive")], edits
+        assert list(callers.items()) == pairs
 
     check()
 
@@ -533,14 +562,22 @@ def test_a_carrier_type_met_when_the_kinds_cache_is_full_is_still_found_fast(
 ) -> None:
     """With the cache of carrier types full, an httpx ``Headers`` met for the first time kept the
     placeholder of its probe (case-insensitive, the slow way) for good: the suite failed when a test
-    filling the cache ran before the first httpx2 request."""
-    monkeypatch.setattr(_carriers, "_kinds", {})
+    filling the cache ran before the first httpx2 request. ``_carriers``' cache of types, full, still
+    answers right, and filling it leaves the hooks' fast ways in to a type met for the first time."""
+    monkeypatch.setattr(_carriers, "_case_insensitive", {})
+    monkeypatch.setattr(httpx_hook, "_listed_headers", set())
+    monkeypatch.setattr(httpx_hook, "_checked_headers", set())
+    monkeypatch.setattr(aiohttp_hook, "_folding", set())
+    monkeypatch.setattr(aiohttp_hook, "_checked", set())
     for index in range(64):
-        _carriers.kind_of(type(f"Carrier{index}", (dict,), {})())
+        _carriers.read(type(f"Carrier{index}", (dict,), {})(), ("baggage",))
     for _ in range(2):
-        assert _carriers.kind_of(httpx2.Headers()) == _carriers._ENTRIES
-        assert _carriers.kind_of(CIMultiDict()) == _carriers._MULTIDICT
-    assert len(_carriers._kinds) == 64
+        assert _carriers.case_insensitive(httpx2.Headers())
+        assert _carriers.case_insensitive(CIMultiDict())
+        assert not _carriers.case_insensitive(type("Carrier64", (dict,), {})())
+        assert httpx_hook._listed(httpx2.Headers())
+        assert aiohttp_hook._fast(CIMultiDict())
+    assert len(_carriers._case_insensitive) == 64
 
 
 def test_a_multidict_whose_keys_view_compares_names_as_spelled_is_read_name_by_name() -> None:
@@ -548,9 +585,10 @@ def test_a_multidict_whose_keys_view_compares_names_as_spelled_is_read_name_by_n
     names?" in one call, it would answer no for ``X-Dynamo-Session-ID`` against the lower-case name,
     and a hand-set header would be added to. Such a type is found so once and read name by name."""
     as_spelled = type("CIMultiDict", (MultiDict,), {"__module__": "multidict.old"})
-    assert _carriers._multidict_holds(CIMultiDict)
-    assert not _carriers._multidict_holds(as_spelled)
-    assert _carriers.kind_of(as_spelled()) == _carriers._CASE_INSENSITIVE
+    assert aiohttp_hook._folds_case(CIMultiDict)
+    assert not aiohttp_hook._folds_case(as_spelled)
+    assert not aiohttp_hook._fast(as_spelled())
+    assert _carriers.case_insensitive(as_spelled())
 
 
 # ---- destinations ------------------------------------------------------------------------------
@@ -758,7 +796,7 @@ def test_a_destination_read_from_the_parsed_url_is_the_one_its_properties_give()
     """httpx's hook reads scheme, host and port where ``httpx.URL`` keeps them parsed, not through
     its properties: for every URL either library accepts, the same three, IDNA hosts included."""
     otel_session.configure(dynamo_hosts=DYNAMO_PATTERNS)
-    assert {httpx.URL, httpx2.URL} <= _httpx_instrumentor._parsed_urls  # else the test checks nothing
+    assert {httpx.URL, httpx2.URL} <= httpx_hook._parsed_urls  # else the test checks nothing
 
     @MANY
     @given(urls(), st.sampled_from([httpx, httpx2]))
@@ -768,7 +806,7 @@ def test_a_destination_read_from_the_parsed_url_is_the_one_its_properties_give()
             expected = (url.scheme, url.host, url.port)
         except Exception:  # the library refuses the URL: never sent, never planned
             assume(False)
-        assert _httpx_instrumentor._destination(url) == expected
+        assert httpx_hook._destination(url) == expected
 
     check()
 

@@ -41,6 +41,10 @@ CASES = [
     ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", 80), True),  # a URL means its port
     ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", None), True),
     ("http://dynamo-frontend/v1", ("http", "dynamo-frontend", 9000), False),
+    # host:port/path, as a base URL without its scheme is often written: the path says nothing here.
+    ("dynamo-frontend:8000/v1", ("http", "dynamo-frontend", 8000), True),
+    ("dynamo-frontend:8000/v1", ("http", "dynamo-frontend", 9000), False),
+    ("dynamo-frontend/v1", ("https", "dynamo-frontend", 8443), True),
     ("https://dynamo", ("https", "dynamo", None), True),
     ("https://dynamo", ("https", "dynamo", 443), True),
     # A URL pattern keeps its scheme: a plain-http downgrade to the same host never matches.
@@ -89,7 +93,6 @@ def test_pattern_matching(pattern: str, destination: tuple[str, str, int | None]
         "ftp://dynamo",
         "http://",
         "*.10.0.0.1",
-        "a/b",
         "-bad-.com",
     ],
 )

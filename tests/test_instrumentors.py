@@ -1,4 +1,4 @@
-"""The client hooks as OpenTelemetry instrumentors: entry points, lazy patching, disabling, undoing."""
+"""The hooks as OpenTelemetry instrumentors: entry points, lazy patching, disabling, undoing."""
 
 from __future__ import annotations
 
@@ -18,10 +18,17 @@ import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 import otel_session
-from otel_session import SESSION_HEADER, _httpx_instrumentor
+from otel_session import SESSION_HEADER, _config
+from otel_session.instrumentation import httpx as httpx_hook
 from tests.recorder import Recorder
 
-NAMES = {"otel_session_httpx", "otel_session_httpx2", "otel_session_aiohttp"}
+NAMES = {
+    "otel_session_httpx",
+    "otel_session_httpx2",
+    "otel_session_aiohttp",
+    "otel_session_starlette",
+    "otel_session_aiohttp_server",
+}
 
 
 def test_each_hook_is_an_instrumentor_entry_point() -> None:
@@ -32,6 +39,12 @@ def test_each_hook_is_an_instrumentor_entry_point() -> None:
         assert isinstance(instrumentor, BaseInstrumentor)
         assert instrumentor.instrumentation_dependencies()
     assert found["otel_session_httpx"].load()() is not found["otel_session_httpx2"].load()()
+    ours = {
+        ep.name
+        for ep in entry_points(group="opentelemetry_instrumentor")
+        if ep.value.startswith("otel_session.")
+    }
+    assert NAMES <= ours == set(_config.instrumentors())  # the one registry: configure() finds them there
 
 
 def _run(tmp_path: Path, source: str, **env: str) -> dict[str, object]:
@@ -182,7 +195,7 @@ def test_httpx_own_transport_is_sent_a_stand_in_only_while_it_reads_no_more_than
     import httpx2
 
     otel_session.configure(dynamo_hosts=["d"])
-    assert {httpx.Request, httpx2.Request} <= _httpx_instrumentor._stand_ins_for
+    assert {httpx.Request, httpx2.Request} <= httpx_hook._stand_ins_for
 
     class Reading(httpx.HTTPTransport):
         def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -191,5 +204,5 @@ def test_httpx_own_transport_is_sent_a_stand_in_only_while_it_reads_no_more_than
     library = types.SimpleNamespace(
         Request=httpx.Request, HTTPTransport=Reading, AsyncHTTPTransport=httpx.AsyncHTTPTransport
     )
-    assert not _httpx_instrumentor._transport_reads_only_the_basics(library)  # type: ignore[arg-type]
-    assert _httpx_instrumentor._transport_reads_only_the_basics(httpx)
+    assert not httpx_hook._transport_reads_only_the_basics(library)  # type: ignore[arg-type]
+    assert httpx_hook._transport_reads_only_the_basics(httpx)

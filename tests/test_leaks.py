@@ -1,4 +1,4 @@
-""""Nobody else", attacked: every way our headers could reach a host they must not (issue 9).
+""" "Nobody else", attacked: every way our headers could reach a host they must not (issue 9).
 
 Each test drives real clients over loopback at real servers: a recording tunnelling proxy, TLS
 servers with a test CA (trustme), redirect targets, the upstream OpenTelemetry instrumentations.
@@ -950,8 +950,8 @@ def test_more_destinations_than_a_context_remembers_each_get_their_answer() -> N
             for turn in range(2):
                 for index, url in enumerate(server.urls):
                     client.get(f"{url}/{turn}/{index}").raise_for_status()
-                remembered = _hop.plans_now()
-                assert remembered is not None and 0 < len(remembered) <= _hop.PLANS_KEPT < len(hosts)
+                offered = _hop.current()
+                assert offered is not None and 0 < len(offered._plans) <= _hop.PLANS_KEPT < len(hosts)
         seen = {record["path"]: record.get("x-dynamo-session-id") for record in server.records()}
     for turn in range(2):
         for index, authority in enumerate(server.authorities):

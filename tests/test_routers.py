@@ -25,7 +25,8 @@ import openai
 import pytest
 
 import otel_session
-from tests.routers import Backend, RouterKind, RouterProcess, backends, group_members, is_loopback, router
+from tests import support
+from tests.routers import Backend, RouterKind, RouterProcess, group_members, is_loopback, router
 
 SIBLINGS = 11
 TURNS = 3
@@ -36,12 +37,8 @@ ALL_SESSION_HEADERS = {
     "x-dynamo-parent-session-id", "x-dynamo-session-final", "baggage", "traceparent",
 }  # fmt: skip
 CLIENTS = ["openai", "openai-async", "aiohttp"]
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[list[Backend]]:
-    with backends(3) as started:
-        yield started
+fleet = support.fleet  # three recording backends for this module's routers
+_fresh_records = support._fresh_records  # autouse: each test sees only what it sent
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +51,6 @@ def vllm(fleet: list[Backend]) -> Iterator[RouterProcess]:
 def smg(fleet: list[Backend]) -> Iterator[RouterProcess]:
     with router("smg", fleet, policy="consistent_hashing") as started:
         yield started
-
-
-@pytest.fixture(autouse=True)
-def _fresh_records(fleet: list[Backend]) -> None:
-    for backend in fleet:
-        backend.seen.clear()
 
 
 def _routers(request: pytest.FixtureRequest, kind: str) -> RouterProcess:

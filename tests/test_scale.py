@@ -60,7 +60,7 @@ def test_per_destination_and_per_carrier_state_is_bounded() -> None:
             if index < 4 * 64:  # carrier types too: a new one each time, past the bound
                 _carriers.read(type(f"Carrier{index}", (dict,), {})(), ("baggage",))
     assert len(settings.rules._cache) <= _CACHE_LIMIT
-    assert len(_carriers._kinds) <= 64
+    assert len(_carriers._case_insensitive) <= 64
     assert _faults._reported == reported
     gc.collect()
     blocks = sys.getallocatedblocks()

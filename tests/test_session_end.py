@@ -29,28 +29,21 @@ from starlette.routing import Route
 import otel_session
 from otel_session._session_end import BUDGET_SECONDS, NOTICE_DEADLINE_S
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
+from tests import support
 from tests.loopback import AsgiServer
 from tests.routers import Backend, RouterProcess, backends, router
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[list[Backend]]:
-    with backends(3) as started:
-        yield started
+fleet = support.fleet
+_fresh_records = support._fresh_records
 
 
 @pytest.fixture(scope="module")
 def sll(fleet: list[Backend]) -> Iterator[RouterProcess]:
     with router("vllm-router", fleet, policy="sticky_least_loaded") as started:
         yield started
-
-
-@pytest.fixture(autouse=True)
-def _fresh_records(fleet: list[Backend]) -> None:
-    for backend in fleet:
-        backend.seen.clear()
 
 
 def _count(process: RouterProcess, text: str) -> int:

@@ -157,19 +157,19 @@ def test_what_a_trajectory_offers_its_requests_is_what_its_context_holds(
     token = context.attach(trace.set_span_in_context(caller_span, baggage.set_baggage("user.key", "kept")))
     try:
         with otel_session.trajectory() as outer:
-            checks = [_hop.now()]
+            checks = [_hop.current()]
             with otel_session.trajectory() as inner:
-                checks.append(_hop.now())
+                checks.append(_hop.current())
                 with otel_session.trajectory(session_id=outer.session_id):
-                    checks.append(_hop.now())
+                    checks.append(_hop.current())
         for now in checks:
             assert now is not None
-            settings, ctx, offer, watched = now
-            assert offer == _hop.offer_for(ctx, settings.tracing)
+            offer = now.offer
+            assert offer == _hop.offer_for(now.context, now.settings.tracing)
             assert dict(offer.baggage)["user.key"] == "kept"
-            assert watched == (settings.tracing or offer.traceparent is not None)
+            assert now.watched == (now.settings.tracing or offer.traceparent is not None)
             assert offer.traceparent is not None  # the caller's span (local), or the trajectory's
-        assert [now[2].parent for now in checks] == [None, outer.session_id, inner.session_id]
+        assert [now.offer.parent for now in checks if now] == [None, outer.session_id, inner.session_id]
     finally:
         context.detach(token)
         otel_session.unconfigure()
