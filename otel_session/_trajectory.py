@@ -98,6 +98,8 @@ class trajectory:
         reentered = session == parent
         if reentered:
             parent = grandparent  # re-entering the enclosing session: the same session, the same parent
+        elif session == grandparent:
+            parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
         ctx = with_session(session, parent, current)
         # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
         visits = None if reentered else _session_end.new_visits()

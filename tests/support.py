@@ -5,19 +5,32 @@
 - the ``fleet`` fixture (three recording backends for a module's routers) and the autouse
   ``_fresh_records`` fixture that clears what they recorded before each test. A module uses them by
   importing both names: pytest finds fixtures in a module's namespace, and an imported autouse
-  fixture applies to that module only.
+  fixture applies to that module only;
+- ``DynamoProxy``: a recording forwarder in front of the real local Dynamo, so a test can see on the
+  wire what a driver process sent and which worker served it (``Forwarded``, one per request). The
+  end-to-end tests of NeMo-RL and verifiers read what they need from the recorded bodies themselves.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from otel_session.dynamo import worker_id_of
+from tests.gym_servers import AiohttpServer
 
 if TYPE_CHECKING:
     from tests.routers import Backend
+
+_HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
 def exited_unreaped(pid: int) -> bool:
@@ -43,3 +56,88 @@ def _fresh_records(fleet: list[Backend]) -> None:
     """Each test sees only the requests it sent."""
     for backend in fleet:
         backend.seen.clear()
+
+
+@dataclass
+class Forwarded:
+    """One request to Dynamo as the proxy saw it, and its answer (``worker``: the Dynamo instance id
+    of the worker that served it, when the answer names one)."""
+
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    status: int = 0
+    worker: int | None = None
+
+    def header(self, name: str) -> str | None:
+        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def _worker_of(payload: bytes) -> int | None:
+    """Dynamo's worker id from a JSON body or from any chunk of an SSE stream."""
+    for line in payload.splitlines():
+        data = line.removeprefix(b"data:").strip()
+        if data.startswith(b"{") and (worker := worker_id_of(json.loads(data))) is not None:
+            return worker
+    return None
+
+
+@dataclass
+class DynamoProxy:
+    """A forwarder to the real Dynamo frontend that records each request in ``requests``. Headers and
+    body are never changed, and streamed answers are passed on whole, so Dynamo routes exactly what the
+    driver sent. ``fail_once`` picks one request that the proxy answers 503 itself instead of
+    forwarding it (to drive a client's retry); it is dropped after its first match."""
+
+    upstream: str
+    fail_once: Callable[[Forwarded], bool] | None = None
+    requests: list[Forwarded] = field(default_factory=list)
+    _server: AiohttpServer | None = None
+
+    def _app(self) -> web.Application:
+        client_key = web.AppKey("client", aiohttp.ClientSession)
+
+        async def client(app: web.Application) -> AsyncIterator[None]:
+            app[client_key] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120))
+            yield
+            await app[client_key].close()
+
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
+            seen = Forwarded(request.method, request.path, list(headers.items()), body)
+            self.requests.append(seen)
+            if self.fail_once is not None and self.fail_once(seen):
+                self.fail_once = None
+                seen.status = 503
+                return web.json_response({"error": {"message": "busy (harness)"}}, status=503)
+            async with request.app[client_key].request(
+                request.method, f"{self.upstream}{request.path_qs}", headers=headers, data=body
+            ) as upstream:
+                payload = await upstream.read()
+                seen.status = upstream.status
+                content_type = upstream.headers.get("Content-Type", "application/json")
+            seen.worker = _worker_of(payload)
+            return web.Response(status=seen.status, body=payload, headers={"Content-Type": content_type})
+
+        app = web.Application()
+        app.cleanup_ctx.append(client)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        return app
+
+    @property
+    def authority(self) -> str:
+        assert self._server is not None
+        return f"127.0.0.1:{self._server.port}"
+
+    def __enter__(self) -> DynamoProxy:
+        self._server = AiohttpServer(self._app()).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.__exit__(*exc)

@@ -60,6 +60,7 @@ from otel_session._routers import BUILTIN, DYNAMO, Profile, profile_named
 from otel_session._settings import Settings
 from otel_session.instrumentation import aiohttp_client as aiohttp_hook
 from otel_session.instrumentation import httpx as httpx_hook
+from otel_session.instrumentation._base import ProbedTypes
 from otel_session.servers import SessionMiddleware
 from tests.generated import MANY
 from tests.loopback import AsgiServer
@@ -420,8 +421,8 @@ def test_carrier_adapters_edit_exactly_as_each_carriers_public_api() -> None:
     the same headers (as a multiset: the fast path appends where ``Headers.__setitem__`` replaces in
     place); the copy leaves the caller's headers exactly as they were.
     """
-    assert httpx_hook._listed(httpx.Headers()) and httpx_hook._listed(httpx2.Headers())
-    assert aiohttp_hook._fast(CIMultiDict())
+    assert httpx.Headers in httpx_hook._LISTED and httpx2.Headers in httpx_hook._LISTED
+    assert CIMultiDict in aiohttp_hook._FOLDING
     assert all(
         _carriers.case_insensitive(build_carrier(kind, [])) for kind in CARRIER_TYPES if kind != "dict"
     )
@@ -565,18 +566,16 @@ def test_a_carrier_type_met_when_the_kinds_cache_is_full_is_still_found_fast(
     filling the cache ran before the first httpx2 request. ``_carriers``' cache of types, full, still
     answers right, and filling it leaves the hooks' fast ways in to a type met for the first time."""
     monkeypatch.setattr(_carriers, "_case_insensitive", {})
-    monkeypatch.setattr(httpx_hook, "_listed_headers", set())
-    monkeypatch.setattr(httpx_hook, "_checked_headers", set())
-    monkeypatch.setattr(aiohttp_hook, "_folding", set())
-    monkeypatch.setattr(aiohttp_hook, "_checked", set())
+    monkeypatch.setattr(httpx_hook, "_LISTED", ProbedTypes(httpx_hook._headers_are_listed))
+    monkeypatch.setattr(aiohttp_hook, "_FOLDING", ProbedTypes(aiohttp_hook._folds_case))
     for index in range(64):
         _carriers.read(type(f"Carrier{index}", (dict,), {})(), ("baggage",))
     for _ in range(2):
         assert _carriers.case_insensitive(httpx2.Headers())
         assert _carriers.case_insensitive(CIMultiDict())
         assert not _carriers.case_insensitive(type("Carrier64", (dict,), {})())
-        assert httpx_hook._listed(httpx2.Headers())
-        assert aiohttp_hook._fast(CIMultiDict())
+        assert httpx2.Headers in httpx_hook._LISTED
+        assert CIMultiDict in aiohttp_hook._FOLDING
     assert len(_carriers._case_insensitive) == 64
 
 
@@ -587,7 +586,7 @@ def test_a_multidict_whose_keys_view_compares_names_as_spelled_is_read_name_by_n
     as_spelled = type("CIMultiDict", (MultiDict,), {"__module__": "multidict.old"})
     assert aiohttp_hook._folds_case(CIMultiDict)
     assert not aiohttp_hook._folds_case(as_spelled)
-    assert not aiohttp_hook._fast(as_spelled())
+    assert as_spelled not in aiohttp_hook._FOLDING
     assert _carriers.case_insensitive(as_spelled())
 
 

@@ -9,9 +9,10 @@ names and call shapes (tests/standin/nemo_rl, read from NVIDIA-NeMo/RL at 7ea279
 ``AsyncRolloutImpl._run_single_rollout`` one trajectory attempt.
 
 Every test runs against the real local Dynamo (4 mocker workers, round-robin, session affinity on:
-the session-scoped ``dynamo_stack``), through ``DynamoProxy`` below, which forwards each request
-unchanged, records its headers and the worker that served it, and can answer 503 itself, once, to one
-chosen request (to drive ``DynamoGeneration._post_completion_request``'s retry). The environment's
+the session-scoped ``dynamo_stack``), through ``tests.support.DynamoProxy``, which forwards each
+request unchanged, records its headers and the worker that served it, and can answer 503 itself, once,
+to one chosen request (to drive ``DynamoGeneration._post_completion_request``'s retry); ``Request``
+below reads the run, prompt and turn of each recorded request from its prompt text. The environment's
 tool server is a recording loopback server (``tests.recorder.Recorder``) on another port, called from
 the environment step (``asyncio.to_thread(calculate_rewards, ...)``) with aiohttp.
 """
@@ -25,17 +26,14 @@ import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
-
 from otel_session.dynamo import LocalDynamo
-from tests.gym_servers import ROOT, AiohttpServer
+from tests.gym_servers import ROOT
 from tests.recorder import Recorder
+from tests.support import DynamoProxy, Forwarded
 
 STANDIN = Path(__file__).resolve().parent / "standin"
 DRIVER = STANDIN / "rollout_driver.py"
@@ -43,85 +41,43 @@ INSTRUMENT = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instru
 NOTICE = "was sent outside any trajectory"
 OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
 TURNS = {0: 3, 1: 4}  # turns per prompt, as the driver runs them
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 _PROMPT = re.compile(r"^run (\d+) prompt (\d+):")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """One Dynamo request as the proxy saw it, and its answer."""
+    """One Dynamo request as the proxy recorded it, placed by its prompt text: the driver starts each
+    prompt with ``run R prompt P:`` and the environment adds one ``<tool turn=`` observation per step,
+    so the prompt alone says which run, prompt and turn a request belongs to."""
 
+    seen: Forwarded
     run: int
     prompt: int
     turn: int  # the environment observations in the prompt so far
     text: str
-    headers: list[tuple[str, str]]
-    status: int = 0
-    worker: int | None = None
+
+    @classmethod
+    def of(cls, seen: Forwarded) -> Request:
+        text = str(seen.json().get("prompt", ""))
+        matched = _PROMPT.match(text)
+        assert matched, text
+        return cls(seen, int(matched[1]), int(matched[2]), text.count("<tool turn="), text)
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return self.seen.headers
+
+    @property
+    def status(self) -> int:
+        return self.seen.status
+
+    @property
+    def worker(self) -> int | None:
+        return self.seen.worker
 
     @property
     def session(self) -> str | None:
-        return next((v for k, v in self.headers if k.lower() == "x-dynamo-session-id"), None)
-
-
-@dataclass
-class DynamoProxy:
-    """A forwarder to the real Dynamo frontend that records each request; ``fail_once`` picks one
-    request it answers 503 itself instead (headers and body are never changed)."""
-
-    upstream: str
-    fail_once: Callable[[Request], bool] | None = None
-    requests: list[Request] = field(default_factory=list)
-    _server: AiohttpServer | None = None
-
-    def _app(self) -> web.Application:
-        client_key = web.AppKey("client", aiohttp.ClientSession)
-
-        async def client(app: web.Application) -> Any:
-            app[client_key] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120))
-            yield
-            await app[client_key].close()
-
-        async def forward(request: web.Request) -> web.Response:
-            body = await request.read()
-            headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
-            text = str(json.loads(body).get("prompt", ""))
-            matched = _PROMPT.match(text)
-            assert matched, text
-            seen = Request(
-                int(matched[1]), int(matched[2]), text.count("<tool turn="), text, list(headers.items())
-            )
-            self.requests.append(seen)
-            if self.fail_once is not None and self.fail_once(seen):
-                self.fail_once = None
-                seen.status = 503
-                return web.json_response({"error": {"message": "busy (harness)"}}, status=503)
-            async with request.app[client_key].post(
-                f"{self.upstream}{request.path_qs}", headers=headers, data=body
-            ) as upstream:
-                payload = await upstream.read()
-                seen.status = upstream.status
-            if seen.status == 200:
-                seen.worker = json.loads(payload)["nvext"]["worker_id"]["decode_worker_id"]
-            return web.Response(status=seen.status, body=payload, content_type="application/json")
-
-        app = web.Application()
-        app.cleanup_ctx.append(client)
-        app.router.add_post("/{tail:.*}", forward)
-        return app
-
-    @property
-    def authority(self) -> str:
-        assert self._server is not None
-        return f"127.0.0.1:{self._server.port}"
-
-    def __enter__(self) -> DynamoProxy:
-        self._server = AiohttpServer(self._app()).__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.__exit__(*exc)
+        return self.seen.header("x-dynamo-session-id")
 
 
 @dataclass
@@ -134,12 +90,19 @@ class Run:
 
 
 def run_driver(
-    mode: str, stack: LocalDynamo, *, fail_once: Any = None, tool_failures: int = 0, **env: str
+    mode: str,
+    stack: LocalDynamo,
+    *,
+    fail_once: Callable[[Request], bool] | None = None,
+    tool_failures: int = 0,
+    **env: str,
 ) -> Run:
     """``opentelemetry-instrument python rollout_driver.py MODE ...``, environment variables only.
-    ``tool_failures``: the tool server answers that many first requests 500."""
+    ``fail_once``: the proxy answers the first request it picks 503 itself. ``tool_failures``: the tool
+    server answers that many first requests 500."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHON"))}
-    with DynamoProxy(f"http://{stack.host}", fail_once) as proxy, Recorder() as tools:
+    chosen = None if fail_once is None else (lambda seen: fail_once(Request.of(seen)))
+    with DynamoProxy(f"http://{stack.host}", chosen) as proxy, Recorder() as tools:
         tools.fail_next.extend([500] * tool_failures)
         result = subprocess.run(
             [INSTRUMENT, sys.executable, str(DRIVER), mode, f"http://{proxy.authority}/v1", stack.model_name,
@@ -159,7 +122,9 @@ def run_driver(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    return Run(report, result.stderr, proxy.requests, tools.requests, proxy.authority)
+    requests = [Request.of(seen) for seen in proxy.requests]  # each prompt names its run and prompt
+    assert all(r.worker is not None for r in requests if r.status == 200), requests  # Dynamo says which
+    return Run(report, result.stderr, requests, tools.requests, proxy.authority)
 
 
 def attempts(requests: list[Request]) -> dict[str | None, list[Request]]:

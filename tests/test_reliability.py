@@ -325,3 +325,79 @@ def test_zero_code_keeps_the_good_hosts_beside_a_bad_one(
     assert len(bad) == 1 and "'http://'" in bad[0] and "left out" in bad[0]
     with pytest.raises(ValueError, match=r"dynamo_hosts|http://"):
         otel_session.configure(dynamo_hosts=["http://", f"127.0.0.1:{dynamo.port}"])  # strict as an argument
+
+
+class _Wrapping(httpx.BaseTransport):
+    """A transport of the application's that wraps httpx's own (a retry or fail-over layer)."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.inner.handle_request(request)
+
+
+class _UdsSubclass(httpx.HTTPTransport):
+    pass
+
+
+def test_a_unix_socket_behind_a_wrapping_or_subclassed_transport_is_nobodys_host(
+    unix_server: tuple[str, list[dict[str, str]]],
+) -> None:
+    """Found by an outside attack: a copy a wrapping transport planned for the URL's host reached a
+    Unix-socket transport, which sent it as planned."""
+    path, seen = unix_server
+    otel_session.configure(dynamo_hosts=["dynamo.internal:8000"])
+    transports = [_Wrapping(httpx.HTTPTransport(uds=path)), _UdsSubclass(uds=path)]
+    with otel_session.trajectory():
+        for transport in transports:
+            with httpx.Client(transport=transport) as client:
+                assert client.get("http://dynamo.internal:8000/v1/x").status_code == 200
+    assert len(seen) == 2 and all(SESSION_HEADER.lower() not in headers for headers in seen)
+
+
+def test_stock_copies_injected_between_a_wrapping_transport_and_httpxs_own_are_taken_back(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an outside attack: with tracing on and stock propagators composed with ours, the
+    upstream instrumentation injected into the copy a wrapping transport had planned, and the router
+    got ``baggage: session.id=...`` beside its session header."""
+    from opentelemetry import propagate
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    receiver = OtlpHttpReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    try:
+        otel_session.configure(dynamo_hosts=[dynamo.url], tracing=True)
+        ours = propagate.get_global_textmap()
+        stock = [TraceContextTextMapPropagator(), W3CBaggagePropagator()]
+        propagate.set_global_textmap(CompositePropagator([*stock, ours]))
+        try:
+            with (
+                otel_session.trajectory() as traj,
+                httpx.Client(transport=_Wrapping(httpx.HTTPTransport())) as c,
+            ):
+                c.get(dynamo.url + "/v1/models")
+        finally:
+            propagate.set_global_textmap(ours)
+        seen = dynamo.requests[0]
+        assert seen.get(SESSION_HEADER) == traj.session_id and seen.get("baggage") is None
+    finally:
+        otel_session.unconfigure()
+        receiver.close()
+
+
+def test_re_entering_the_trajectory_outside_the_enclosing_one_makes_no_parent_cycle(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    with (
+        otel_session.trajectory() as outer,
+        otel_session.trajectory() as inner,
+        otel_session.trajectory(session_id=outer.session_id) as again,
+    ):
+        httpx.get(dynamo.url + "/x")
+    assert inner.parent_session_id == outer.session_id
+    assert again.session_id == outer.session_id and again.parent_session_id is None
+    assert dynamo.requests[0].get("X-Dynamo-Parent-Session-ID") is None

@@ -13,9 +13,10 @@ app in the driver process; that server's request handler sends each request on t
 with ``X-Session-ID`` = the rollout's trace id (``verifiers/v1/interception/server.py``,
 ``session_id=session.trace.id``). No otel-session trajectory is current there, so otel-session adds
 nothing and Dynamo pins each rollout attempt by verifiers' own header. These tests show that on the
-wire and on Dynamo (``DynamoProxy`` below forwards each request unchanged and records its headers and
-the worker that served it); docs/integrations.md ("verifiers (prime-rl)") says why our own session
-cannot reach Dynamo from verifiers.
+wire and on Dynamo (``tests.support.DynamoProxy`` forwards each request unchanged and records its
+headers, its body and the worker that served it; ``messages`` below reads each request's conversation
+length from its body); docs/integrations.md ("verifiers (prime-rl)") says why our own session cannot
+reach Dynamo from verifiers.
 
 Every test runs against the session-scoped ``dynamo_stack``: 4 mocker workers, round-robin, session
 affinity on.
@@ -28,17 +29,15 @@ import os
 import subprocess
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
-from aiohttp import web
-from multidict import CIMultiDict
 
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
-from tests.gym_servers import ROOT, AiohttpServer
+from tests.gym_servers import ROOT
+from tests.support import DynamoProxy, Forwarded
 
 VENV = ROOT / ".venv-verifiers"
 DRIVER = ROOT / "tests" / "verifiers_cases" / "driver.py"
@@ -51,88 +50,18 @@ BOUNDARY = {
     "OTEL_SESSION_TRAJECTORY_FUNCTIONS": "verifiers.v1.agent:Agent._run_once",
     "OTEL_SESSION_TRUSTED_HOSTS": "127.0.0.1",
 }
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
 
-@dataclass
-class Request:
-    """One request to Dynamo as the proxy saw it, and its answer."""
-
-    path: str
-    headers: list[tuple[str, str]]
-    messages: int  # the conversation's length in the request: it grows turn by turn
-    status: int = 0
-    worker: int | None = None
-
-    def header(self, name: str) -> str | None:
-        return next((v for k, v in self.headers if k.lower() == name.lower()), None)
-
-
-def _worker_of(payload: bytes) -> int | None:
-    """Dynamo's worker id from a JSON body or from any chunk of an SSE stream."""
-    for line in payload.splitlines():
-        data = line.removeprefix(b"data:").strip()
-        if data.startswith(b"{") and (worker := worker_id_of(json.loads(data))) is not None:
-            return worker
-    return None
-
-
-@dataclass
-class DynamoProxy:
-    """A forwarder to the real Dynamo frontend that records each request (headers and body are never
-    changed; streamed answers are passed on whole)."""
-
-    upstream: str
-    requests: list[Request] = field(default_factory=list)
-    _server: AiohttpServer | None = None
-
-    def _app(self) -> web.Application:
-        client_key = web.AppKey("client", aiohttp.ClientSession)
-
-        async def client(app: web.Application) -> Any:
-            app[client_key] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(120))
-            yield
-            await app[client_key].close()
-
-        async def forward(request: web.Request) -> web.Response:
-            body = await request.read()
-            headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
-            messages = len(json.loads(body).get("messages", [])) if body else 0
-            seen = Request(request.path, list(headers.items()), messages)
-            self.requests.append(seen)
-            async with request.app[client_key].request(
-                request.method, f"{self.upstream}{request.path_qs}", headers=headers, data=body
-            ) as upstream:
-                payload = await upstream.read()
-                seen.status = upstream.status
-                content_type = upstream.headers.get("Content-Type", "application/json")
-            seen.worker = _worker_of(payload)
-            return web.Response(status=seen.status, body=payload, headers={"Content-Type": content_type})
-
-        app = web.Application()
-        app.cleanup_ctx.append(client)
-        app.router.add_route("*", "/{tail:.*}", forward)
-        return app
-
-    @property
-    def authority(self) -> str:
-        assert self._server is not None
-        return f"127.0.0.1:{self._server.port}"
-
-    def __enter__(self) -> DynamoProxy:
-        self._server = AiohttpServer(self._app()).__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.__exit__(*exc)
+def messages(request: Forwarded) -> int:
+    """The conversation's length in a chat request: it grows turn by turn within one rollout."""
+    return len(request.json().get("messages", [])) if request.body else 0
 
 
 @dataclass
 class Run:
     report: dict[str, Any]
     stderr: str
-    requests: list[Request]
+    requests: list[Forwarded]
 
     @property
     def traces(self) -> list[dict[str, Any]]:
@@ -181,14 +110,14 @@ def run_driver(mode: str, stack: LocalDynamo, **env: str) -> Run:
     return Run(json.loads(result.stdout.strip().splitlines()[-1]), result.stderr, proxy.requests)
 
 
-def by_session_header(requests: list[Request]) -> dict[str | None, list[Request]]:
-    groups: dict[str | None, list[Request]] = defaultdict(list)
+def by_session_header(requests: list[Forwarded]) -> dict[str | None, list[Forwarded]]:
+    groups: dict[str | None, list[Forwarded]] = defaultdict(list)
     for request in requests:
         groups[request.header("X-Session-ID")].append(request)
     return groups
 
 
-def assert_nothing_of_ours(requests: list[Request]) -> None:
+def assert_nothing_of_ours(requests: list[Forwarded]) -> None:
     for request in requests:
         assert not {k.lower() for k, _ in request.headers} & OURS, request.headers
 
@@ -214,7 +143,7 @@ def test_user_sim_one_session_per_rollout_attempt_on_one_worker(
     assert set(sessions) == {t["id"] for t in run.traces}  # every request has one: its rollout's trace id
     for session, requests in sessions.items():
         assert len(requests) == TURNS, session
-        lengths = [r.messages for r in requests]
+        lengths = [messages(r) for r in requests]
         assert lengths == sorted(set(lengths)), (session, lengths)  # one conversation, growing
         workers = {r.worker for r in requests}
         assert len(workers) == 1 and None not in workers, (session, workers)

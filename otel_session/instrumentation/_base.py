@@ -125,6 +125,31 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         raise NotImplementedError
 
 
+class ProbedTypes:
+    """The classes found to keep the layout an instrumentation's fast path relies on (a library's
+    private header list, say): each probed once, the first time it is met, and at most ``limit``
+    (classes are few; bounded all the same). Any other class takes the public, slower path."""
+
+    __slots__ = ("_checked", "_good", "_limit", "_probe")
+
+    def __init__(self, probe: Callable[[type], bool], limit: int = 64) -> None:
+        self._probe = probe
+        self._limit = limit
+        self._good: set[type] = set()
+        self._checked: set[type] = set()
+
+    def __contains__(self, kind: type) -> bool:
+        if kind in self._good:
+            return True
+        if kind in self._checked or len(self._checked) >= self._limit:
+            return False
+        self._checked.add(kind)
+        if self._probe(kind):
+            self._good.add(kind)
+            return True
+        return False
+
+
 def _wrap_innermost(owner: Any, name: str, wrapper: Wrapper) -> None:
     """Wrap ``owner.name`` right around the original, under any wrapt wrappers already there.
 

@@ -22,19 +22,13 @@ from opentelemetry import context as otel_context
 
 from otel_session import _carriers, _faults, _hop, _propagator
 from otel_session._context import HOP_KEY
-from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
+from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
 # Sends of ours under way: id(the headers we put on a request for one send) -> (those headers, the
 # caller's own they were copied from). Another send of the same request started meanwhile (a hedging
 # middleware's) copies the caller's, never a copy holding that send's session.
 _in_flight: dict[int, tuple[Any, Any]] = {}
 _NOTHING: dict[str, str] = {}
-# ``CIMultiDict`` classes found (once each) to compare names ignoring case in their keys view, and to
-# add and pop as multidict 6.1 does: asked "any of these names?" in one C call, edited with add/popall.
-_folding: set[type] = set()
-_checked: set[type] = set()
-
-
 def _folds_case(kind: type) -> bool:
     """Whether ``kind``'s keys view compares names ignoring case (multidict 6.1 and later; older
     ones compare names as spelled), and ``add``/``popall`` work as expected."""
@@ -50,21 +44,14 @@ def _folds_case(kind: type) -> bool:
         return False
 
 
-def _fast(headers: Any) -> bool:
-    kind = type(headers)
-    if kind in _folding:
-        return True
-    if kind not in _checked and len(_checked) < 64:  # header classes are few
-        _checked.add(kind)
-        if kind.__qualname__ == "CIMultiDict" and _folds_case(kind):
-            _folding.add(kind)
-            return True
-    return False
+# ``CIMultiDict`` classes found to compare names ignoring case in their keys view, and to add and pop
+# as multidict 6.1 does: asked "any of these names?" in one C call, edited with add/popall.
+_FOLDING = ProbedTypes(lambda kind: kind.__qualname__ == "CIMultiDict" and _folds_case(kind))
 
 
 def _held(headers: Any, plan: _hop.Plan) -> dict[str, str]:
     """What ``headers`` hold of the names ``plan`` reads (``_NOTHING``, the usual case, in one C call)."""
-    if _fast(headers) and headers.keys().isdisjoint(plan.names):
+    if type(headers) in _FOLDING and headers.keys().isdisjoint(plan.names):
         return _NOTHING
     return _carriers.read(headers, plan.names)
 
@@ -175,7 +162,7 @@ async def _hop_send(
 
 def _edit(headers: Any, edits: list[tuple[str, str | None]], held: dict[str, str]) -> None:
     """Make ``edits`` on a send's own headers: a name the caller's do not hold is only added."""
-    fast = not held and _fast(headers)
+    fast = not held and type(headers) in _FOLDING
     for name, value in edits:
         if value is None:
             _carriers.remove(headers, name)

@@ -28,7 +28,7 @@ from typing import Any
 
 from otel_session import _carriers, _faults, _hop, _propagator
 from otel_session._policy import Edit
-from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
+from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
 # Hops planned by a transport other than httpx's own, in flight: id(our copy sent) -> (that copy; the
 # destination it was planned for; the caller's own headers). Never the caller's own object, which
@@ -39,11 +39,6 @@ _STOCK_METHODS = ("handle_request", "handle_async_request")
 # a class in ``_stand_ins_for`` is sent there as a stand-in with just these attributes (``_stand_in``).
 TRANSPORT_READS = frozenset({"method", "url", "headers", "stream", "extensions"})
 _stand_ins_for: set[type] = set()
-# ``Headers`` classes whose instances keep ``_list`` as (raw name, lower-case name, value) byte triples
-# and ``_encoding``, and nothing else (checked once per class): read and copied through ``_list``.
-# Every public lookup of a ``Headers`` first decodes every header to find its encoding.
-_listed_headers: set[type] = set()
-_checked_headers: set[type] = set()
 _LOWER_NAME = operator.itemgetter(1)
 _NOTHING: dict[str, str] = {}
 
@@ -87,22 +82,16 @@ def _headers_are_listed(kind: type) -> bool:
         return False
 
 
-def _listed(headers: Any) -> bool:
-    kind = type(headers)
-    if kind in _listed_headers:
-        return True
-    if kind not in _checked_headers and len(_checked_headers) < 64:  # header classes are few
-        _checked_headers.add(kind)
-        if _headers_are_listed(kind):
-            _listed_headers.add(kind)
-            return True
-    return False
+# ``Headers`` classes whose instances keep ``_list`` as (raw name, lower-case name, value) byte triples
+# and ``_encoding``, and nothing else: read and copied through ``_list``. (Every public lookup of a
+# ``Headers`` first decodes every header to find its encoding.)
+_LISTED = ProbedTypes(_headers_are_listed)
 
 
 def _held(headers: Any, plan: _hop.Plan) -> dict[str, str]:
     """What ``headers`` hold of the names ``plan`` reads (``_NOTHING``, the usual case, without a
     Python loop over a listed ``Headers``)."""
-    if _listed(headers) and plan.raw_names.isdisjoint(map(_LOWER_NAME, headers._list)):
+    if type(headers) in _LISTED and plan.raw_names.isdisjoint(map(_LOWER_NAME, headers._list)):
         return _NOTHING
     return _carriers.read(headers, plan.names)
 
@@ -110,7 +99,7 @@ def _held(headers: Any, plan: _hop.Plan) -> dict[str, str]:
 def _copy_headers(headers: Any, edits: list[Edit] | None = None, wire: Any = None) -> Any:
     """A copy of ``headers`` with ``edits`` made (``wire``: the same as byte triples to append, for a
     copy holding none of them)."""
-    if _listed(headers):
+    if type(headers) in _LISTED:
         copy: Any = object.__new__(type(headers))
         copy._list = headers._list + list(wire) if wire is not None else list(headers._list)
         copy._encoding = headers._encoding
@@ -203,13 +192,13 @@ def _at_transport(transport: Any, request: Any) -> Any:
         if _in_flight:
             entry = _registered(request)
             if entry is not None:
-                return _replan_if_moved(request, entry)
+                return _replan_at(request, entry, _where(transport, request))
         offered = _hop.current()
         if offered is None:
             if _hop.untold:  # until a request to a router outside any trajectory has been told of
                 _hop.outside(*_destination(request.url))
             return request  # nothing to add from this context
-        destination = ("unix", None, None) if _over_unix_socket(transport) else _destination(request.url)
+        destination = _where(transport, request)
         plan, held = _planned(offered, request.headers, destination)
         if not plan.edits:
             return request
@@ -229,11 +218,27 @@ def _registered(request: Any) -> tuple[Any, _hop.Destination, Any] | None:
     return entry if entry is not None and entry[0] is request else None
 
 
-def _replan_if_moved(request: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
-    """Our copy, planned again if a transport changed where it goes after we planned it: the
-    caller's headers with what the new destination may receive (edited in place: it is ours)."""
-    destination = _destination(request.url)
+_UNIX: _hop.Destination = ("unix", None, None)  # a Unix socket: a local process, nobody's URL host
+
+
+def _where(transport: Any, request: Any) -> _hop.Destination:
+    """Where httpx's own ``transport`` really sends ``request``."""
+    return _UNIX if _over_unix_socket(transport) else _destination(request.url)
+
+
+def _replan_at(request: Any, entry: tuple[Any, _hop.Destination, Any], destination: _hop.Destination) -> Any:
+    """Our copy, as a transport above planned it, reaching ``destination``: planned again from the
+    caller's headers if it goes elsewhere than planned (re-targeted, or over a Unix socket), and
+    edited in place (it is ours). Where stock propagators are composed with ours, an upstream
+    instrumentation may have injected into it on the way: what is recognisably ours is taken back."""
     if destination == entry[1]:
+        if not _propagator.is_sole_global():
+            offered = _hop.current()
+            if offered is not None:
+                plan = offered.plan(*destination)
+                held = _held(request.headers, plan)
+                if held:
+                    _carriers.apply(request.headers, plan.given(held, False).edits)
         return request
     callers = entry[2]
     headers = _copy_headers(callers)
@@ -256,7 +261,7 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
         if _in_flight:
             entry = _registered(request)
             if entry is not None:
-                _replan_if_moved(request, entry)
+                _replan_at(request, entry, _destination(request.url))
                 return None
         offered = _hop.current()
         if offered is None:
