@@ -8,14 +8,17 @@
   fixture applies to that module only;
 - ``DynamoProxy``: a recording forwarder in front of the real local Dynamo, so a test can see on the
   wire what a driver process sent and which worker served it (``Forwarded``, one per request). The
-  end-to-end tests of NeMo-RL and verifiers read what they need from the recorded bodies themselves.
+  end-to-end tests of NeMo-RL and verifiers read what they need from the recorded bodies themselves;
+- ``run_zero_code``: runs such a test's driver (no otel-session code in it) under
+  ``opentelemetry-instrument``, configured by environment variables only, and reads back its report.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+import subprocess
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +28,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from otel_session.dynamo import worker_id_of
-from tests.gym_servers import AiohttpServer
+from tests.gym_servers import ROOT, AiohttpServer
 
 if TYPE_CHECKING:
     from tests.routers import Backend
@@ -141,3 +144,26 @@ class DynamoProxy:
     def __exit__(self, *exc: object) -> None:
         if self._server is not None:
             self._server.__exit__(*exc)
+
+
+def run_zero_code(
+    argv: Sequence[str],
+    *,
+    dynamo: str,
+    env: Mapping[str, str],
+    timeout: float,
+    drop: tuple[str, ...] = ("OTEL_", "PYTHON"),
+) -> tuple[dict[str, Any], str]:
+    """Run ``argv`` (``opentelemetry-instrument python DRIVER ...``) from the repository root, set up by
+    environment variables only: this process's without those starting with ``drop`` (our own settings,
+    and whatever would point the driver's interpreter at other packages), then the otel_session distro
+    with ``OTEL_SESSION_DYNAMO_HOSTS=dynamo``, then ``env``. The driver must exit 0 without a traceback
+    and print its report as the last line of stdout; returns that report and the driver's stderr."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    ours = {"OTEL_PYTHON_DISTRO": "otel_session", "OTEL_SESSION_DYNAMO_HOSTS": dynamo}
+    result = subprocess.run(
+        list(argv), cwd=ROOT, env=clean | ours | dict(env), capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr

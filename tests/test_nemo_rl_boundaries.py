@@ -19,10 +19,8 @@ the environment step (``asyncio.to_thread(calculate_rewards, ...)``) with aiohtt
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from otel_session.dynamo import LocalDynamo
-from tests.gym_servers import ROOT
 from tests.recorder import Recorder
-from tests.support import DynamoProxy, Forwarded
+from tests.support import DynamoProxy, Forwarded, run_zero_code
 
 STANDIN = Path(__file__).resolve().parent / "standin"
 DRIVER = STANDIN / "rollout_driver.py"
@@ -100,31 +97,19 @@ def run_driver(
     """``opentelemetry-instrument python rollout_driver.py MODE ...``, environment variables only.
     ``fail_once``: the proxy answers the first request it picks 503 itself. ``tool_failures``: the tool
     server answers that many first requests 500."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHON"))}
     chosen = None if fail_once is None else (lambda seen: fail_once(Request.of(seen)))
     with DynamoProxy(f"http://{stack.host}", chosen) as proxy, Recorder() as tools:
         tools.fail_next.extend([500] * tool_failures)
-        result = subprocess.run(
+        report, stderr = run_zero_code(
             [INSTRUMENT, sys.executable, str(DRIVER), mode, f"http://{proxy.authority}/v1", stack.model_name,
              f"{tools.url}/tool/step"],
-            cwd=ROOT,
-            env=clean
-            | {
-                "OTEL_PYTHON_DISTRO": "otel_session",
-                "OTEL_SESSION_DYNAMO_HOSTS": proxy.authority,
-                "PYTHONPATH": str(STANDIN),
-            }
-            | env,
-            capture_output=True,
-            text=True,
+            dynamo=proxy.authority,
+            env={"PYTHONPATH": str(STANDIN)} | env,
             timeout=120,
         )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
     requests = [Request.of(seen) for seen in proxy.requests]  # each prompt names its run and prompt
     assert all(r.worker is not None for r in requests if r.status == 200), requests  # Dynamo says which
-    return Run(report, result.stderr, requests, tools.requests, proxy.authority)
+    return Run(report, stderr, requests, tools.requests, proxy.authority)
 
 
 def attempts(requests: list[Request]) -> dict[str | None, list[Request]]:

@@ -24,9 +24,7 @@ affinity on.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -37,7 +35,7 @@ import pytest
 
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
 from tests.gym_servers import ROOT
-from tests.support import DynamoProxy, Forwarded
+from tests.support import DynamoProxy, Forwarded, run_zero_code
 
 VENV = ROOT / ".venv-verifiers"
 DRIVER = ROOT / "tests" / "verifiers_cases" / "driver.py"
@@ -82,32 +80,24 @@ def run_driver(mode: str, stack: LocalDynamo, **env: str) -> Run:
     there; without one it would ``pip install --user uv``), and HOME and uv's cache live in the venv:
     verifiers keeps its harness scripts under ``~/.cache/verifiers``, and uv builds the harness's
     script environment (openai, mcp, httpx, ...) once, from the package index, on the first run."""
-    ours = ("OTEL_", "PYTHON", "VIRTUAL_ENV", "UV_")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     home = VENV / "home"
     home.mkdir(exist_ok=True)
     with DynamoProxy(f"http://{stack.host}") as proxy:
-        result = subprocess.run(
+        report, stderr = run_zero_code(
             [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER), mode,
              f"http://{proxy.authority}/v1", stack.model_name],
-            cwd=ROOT,
-            env=clean
-            | {
-                "PATH": f"{VENV / 'bin'}{os.pathsep}{clean.get('PATH', '')}",
+            dynamo=proxy.authority,
+            env={
+                "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(home),
                 "UV_CACHE_DIR": str(VENV / "uv-cache"),
-                "OTEL_PYTHON_DISTRO": "otel_session",
-                "OTEL_SESSION_DYNAMO_HOSTS": proxy.authority,
             }
             | env,
-            capture_output=True,
-            text=True,
             timeout=180,
+            drop=("OTEL_", "PYTHON", "VIRTUAL_ENV", "UV_"),
         )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert not (home / ".local").exists(), "verifiers installed something with pip --user"
-    return Run(json.loads(result.stdout.strip().splitlines()[-1]), result.stderr, proxy.requests)
+    return Run(report, stderr, proxy.requests)
 
 
 def by_session_header(requests: list[Forwarded]) -> dict[str | None, list[Forwarded]]:
