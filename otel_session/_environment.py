@@ -55,7 +55,7 @@ def autostart() -> None:
         if not _settings.parse_bool_env(ENV_AUTO):
             return
     except ValueError as exc:
-        print(f"otel-session: {exc}; otel-session is not started in this process", file=sys.stderr)
+        print(f"otel-session: {exc}; nothing is started from it at interpreter start", file=sys.stderr)
         return
     if _settings.current is None:
         configure_from_environment()

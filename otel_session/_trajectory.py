@@ -33,6 +33,7 @@ from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_
 from otel_session._ids import check_session_id, new_session_id
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_DESCRIPTORS = (classmethod, staticmethod, property)
 
 
 class trajectory:
@@ -45,8 +46,8 @@ class trajectory:
     """
 
     def __new__(cls, session_id: Any = None, **kwargs: Any) -> Any:
-        if callable(session_id) and not isinstance(session_id, str):  # ``@trajectory`` without ()
-            return cls()(session_id)
+        if not isinstance(session_id, str) and (callable(session_id) or isinstance(session_id, _DESCRIPTORS)):
+            return cls()(session_id)  # ``@trajectory`` without parentheses
         return object.__new__(cls)
 
     def __init__(
@@ -167,7 +168,16 @@ class trajectory:
 
     def __call__(self, func: _F) -> _F:
         """Every call of ``func`` is a new attempt (see ``as_attempt``); the decorated function keeps
-        ``func``'s kind, so frameworks that inspect it (coroutine, generator) still see what it is."""
+        ``func``'s kind, so frameworks that inspect it (coroutine, generator) still see what it is.
+        A ``classmethod`` or ``staticmethod`` stays one; a class or a ``property`` is refused: decorate
+        the method that runs one attempt, or the property's getter."""
+        if isinstance(func, (classmethod, staticmethod)):
+            return cast(_F, type(func)(self(func.__func__)))
+        if isinstance(func, property) or inspect.isclass(func):
+            raise TypeError(
+                f"trajectory() cannot decorate a {'property' if isinstance(func, property) else 'class'}: "
+                "decorate the function or method that runs one attempt"
+            )
         if inspect.isasyncgenfunction(func):
 
             @functools.wraps(func)
@@ -201,7 +211,8 @@ class trajectory:
 def _is_async_callable(func: object) -> bool:
     """A coroutine function, or an object whose ``__call__`` is one."""
     return inspect.iscoroutinefunction(func) or (
-        not inspect.isfunction(func) and inspect.iscoroutinefunction(type(func).__dict__.get("__call__"))
+        not inspect.isfunction(func)
+        and inspect.iscoroutinefunction(inspect.getattr_static(type(func), "__call__", None))
     )
 
 

@@ -387,3 +387,106 @@ def test_a_function_named_twice_a_preset_and_by_the_user_is_one_boundary(
     sessions = _sessions(dynamo)
     assert sessions[0] == sessions[1] != sessions[2] and None not in sessions
     assert all(seen.get("X-Dynamo-Parent-Session-ID") is None for seen in dynamo.requests)  # not nested
+
+
+REFUSED = {
+    "builtins:len": "not Python code of its own",
+    "os:urandom": "not Python code of its own",
+    "datetime:datetime.now": "not Python code of its own",
+    "opentelemetry.context:attach": "code otel-session itself runs",
+    "otel_session:current_session_id": "code otel-session itself runs",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_name_that_would_hook_what_otel_session_runs_is_one_warning_never_a_crash(
+    name: str,
+    rollouts: str,
+    dynamo: Recorder,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an outside attack: ``builtins:len`` or ``os:urandom`` (which minting an ID calls) made
+    every attempt open another, a RecursionError in the application; ``datetime:datetime.now`` a
+    traceback. Each is one warning, asked for once however often configured, and the rest applies."""
+    from otel_session.instrumentation import boundaries
+
+    monkeypatch.setattr(boundaries, "_WARNED", set())
+    caplog.set_level(logging.WARNING, "otel_session")
+    names = [name, f"{rollouts}:sync_rollout"]
+    for _ in range(2):
+        otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=names)
+    module = _load(rollouts, dynamo)
+    assert module.sync_rollout(2) == "done" and len(b"abc") == 3
+    sessions = _sessions(dynamo)
+    assert len(sessions) == 2 and sessions[0] == sessions[1] is not None
+    warned = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(warned) == 1 and REFUSED[name] in warned[0]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_property_or_a_plain_value_is_named_as_what_it_is(
+    tmp_path: Path, dynamo: Recorder, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"values_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        "URL = 'x'\nclass K:\n    @property\n    def p(self):\n        return 1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    caplog.set_level(logging.WARNING, "otel_session")
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{name}:URL", f"{name}:K.p"])
+    module = importlib.import_module(name)
+    assert module.K().p == 1
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 2 and all("is not a function, method or callable object" in line for line in lines)
+    sys.modules.pop(name, None)
+
+
+def test_unconfigure_gives_an_inherited_method_back_to_its_base(rollouts: str, dynamo: Recorder) -> None:
+    """Found by an outside attack: naming ``Child.run`` (defined on ``Agent``) left a copy in
+    ``Child`` after ``unconfigure()``, so a later change to ``Agent.run`` never reached ``Child``."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{rollouts}:Child.run"])
+    module = _load(rollouts, dynamo)
+    assert "run" in vars(module.Child)
+    otel_session.unconfigure()
+    assert "run" not in vars(module.Child) and module.Child.run is module.Agent.run
+
+
+def test_the_script_itself_cannot_be_hooked_and_says_what_to_do_instead(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "otel_session")
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=["__main__:rollout"])
+    lines = [r.getMessage() for r in caplog.records if "__main__:rollout" in r.getMessage()]
+    assert len(lines) == 1 and "name a function in a module it imports" in lines[0]
+
+
+def test_the_decorator_keeps_class_and_static_methods_and_refuses_what_it_cannot_serve() -> None:
+    class Agent:
+        @otel_session.trajectory
+        @classmethod
+        def of_class(cls) -> tuple[str, str | None]:
+            return cls.__name__, otel_session.current_session_id()
+
+        @otel_session.trajectory()
+        @staticmethod
+        def static(x: int) -> tuple[int, str | None]:
+            return x, otel_session.current_session_id()
+
+    class Base:
+        async def __call__(self) -> str | None:
+            return otel_session.current_session_id()
+
+    class Inherits(Base):
+        pass
+
+    name, first = Agent.of_class()
+    x, second = Agent().static(7)
+    inherited = otel_session.trajectory()(Inherits())
+    assert name == "Agent" and x == 7 and first and second and first != second
+    assert asyncio.iscoroutinefunction(inherited) and asyncio.run(inherited()) not in (None, first, second)
+    for refused in (property(lambda self: 1), Agent):
+        with pytest.raises(TypeError, match=r"cannot decorate a (property|class)"):
+            otel_session.trajectory()(refused)
+    with pytest.raises(TypeError, match="cannot decorate a property"):
+        otel_session.trajectory(property(lambda self: 1))

@@ -31,17 +31,49 @@ from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
 _SAMPLE_ARGUMENTS = {"sample_idx": "otel_session.sample_index", "traj_idx": "otel_session.sample_index"}
 
 
-def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str]:
-    """(owner, attribute) of ``qualified`` in ``module``; ``AttributeError`` where it does not resolve."""
+# Code a boundary must never be made of: what otel-session itself runs while opening an attempt.
+_OWN_MODULES = ("otel_session", "opentelemetry", "wrapt")
+
+
+class Unresolved(Exception):
+    """Why a name cannot be made a trajectory boundary, in words for the one warning it costs."""
+
+
+def _python_code(target: Any) -> bool:
+    """Whether ``target`` (a function, method descriptor, class or callable object) runs Python code
+    of its own: a builtin or C function is no rollout, and otel-session itself may call it."""
+    if isinstance(target, (classmethod, staticmethod)):
+        target = target.__func__
+    if inspect.isclass(target):
+        return any(inspect.isfunction(getattr(target, method, None)) for method in ("__init__", "__new__"))
+    if not inspect.isfunction(inspect.unwrap(target)) and not inspect.ismethod(target):
+        target = inspect.getattr_static(type(target), "__call__", None)
+    return inspect.isfunction(inspect.unwrap(target)) if target is not None else False
+
+
+def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, bool]:
+    """(owner, attribute, copied down) for ``qualified`` in ``module``; ``Unresolved`` says why not."""
     *path, name = qualified.split(".")
     owner: Any = module
-    for part in path:
+    for part in [*path, name][:-1]:
+        if not hasattr(owner, part):
+            raise Unresolved(f"{getattr(owner, '__name__', owner)!s} has no {part}")
         owner = getattr(owner, part)
-    if not callable(getattr(owner, name)):
-        raise AttributeError(f"{name} is not callable")
-    if name not in vars(owner):  # inherited: wrapped on this class only, never on its base
-        setattr(owner, name, inspect.getattr_static(owner, name))
-    return owner, name
+    try:
+        target = inspect.getattr_static(owner, name)
+    except AttributeError:
+        raise Unresolved(f"{getattr(owner, '__name__', owner)!s} has no {name}") from None
+    if isinstance(target, property) or not callable(getattr(owner, name)):
+        raise Unresolved(f"{qualified} is not a function, method or callable object")
+    if getattr(getattr(owner, name), "__module__", None) in (None, "builtins") or not _python_code(target):
+        raise Unresolved(f"{qualified} is not Python code of its own (a builtin, a C function, a partial)")
+    origin = str(getattr(inspect.unwrap(getattr(owner, name)), "__module__", "") or "")
+    if origin.partition(".")[0] in _OWN_MODULES:
+        raise Unresolved(f"{qualified} is code otel-session itself runs")
+    copied = name not in vars(owner)
+    if copied:  # inherited: wrapped on this class only, never on its base (taken away again on unwrap)
+        setattr(owner, name, target)
+    return owner, name, copied
 
 
 def _sample_attributes(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
@@ -83,6 +115,7 @@ class _Boundary:
 
 
 _BOUNDARIES: dict[str, _Boundary] = {}
+_WARNED: set[str] = set()  # names already warned about: once per process, however often configured
 
 
 class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
@@ -101,6 +134,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         self._names: tuple[str, ...] = ()
         self._hooked: set[str] = set()  # modules with a post-import hook (cannot be removed)
         self._applied: set[str] = set()
+        self._copied: list[tuple[Any, str]] = []
         self._exit_check = False
         self._names_lock = threading.RLock()
 
@@ -145,24 +179,34 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
     def _apply(self, module: ModuleType, name: str) -> None:
         qualified = name.partition(":")[2]
         try:
-            owner, attribute = _resolve(module, qualified)
-        except Exception:
-            if not self.presets:  # a preset names a framework version that may lack it: quietly
-                _faults.logger.warning(
-                    "otel-session: trajectory function %s does not resolve: %s has no %s; the other "
-                    "names still apply",
-                    name,
-                    module.__name__,
-                    qualified,
+            if module.__name__ == "__main__":
+                raise Unresolved(
+                    "the script being run (__main__) cannot be hooked before its functions exist: name a "
+                    "function in a module it imports, or decorate it with @otel_session.trajectory"
                 )
-            return
-        try:
+            owner, attribute, copied = _resolve(module, qualified)
             boundary = _BOUNDARIES.get(name)
             if boundary is None:  # one wrapper per name, whichever instrumentor names it: never twice
                 boundary = _BOUNDARIES[name] = _Boundary(name, getattr(owner, attribute))
             self.patch(owner, attribute, boundary)
+            if copied:
+                self._copied.append((owner, attribute))
         except Exception as exc:
-            _faults.report(f"making {name} a trajectory boundary", exc)
+            if not self.presets and name not in _WARNED:  # a preset names what a version may lack
+                _WARNED.add(name)
+                reason = str(exc) if isinstance(exc, Unresolved) else f"{type(exc).__name__}: {exc}"
+                _faults.logger.warning(
+                    "otel-session: trajectory function %s does not resolve (%s); the other names still apply",
+                    name,
+                    reason,
+                )
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        super()._uninstrument(**kwargs)
+        for owner, attribute in self._copied:  # an inherited method copied down: inherited again
+            if attribute in vars(owner) and not isinstance(vars(owner)[attribute], wrapt.FunctionWrapper):
+                delattr(owner, attribute)
+        self._copied = []
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
         return []
