@@ -39,7 +39,11 @@ def test_every_concurrent_trajectory_stays_on_one_worker_and_siblings_spread(
     assert summary.errors == 0, [r.error for r in results]
     assert [len(r.turns) for r in results] == [4] * 9
     assert summary.pinned == 9, [r.workers for r in results]
-    assert summary.prompts_spread == 3  # siblings of every prompt went to more than one worker
+    # Siblings are sessions of their own: keyed on the prompt (as some RL stacks key), every prompt's
+    # siblings would share one worker (0 spread). Round-robin over 4 workers can still put one prompt's
+    # 3 siblings on one worker by chance, when their first requests happen to go out 4 apart (1 order
+    # of the 9 in 84 per prompt), and never two prompts' at once: so at least 2 of 3 spread.
+    assert summary.prompts_spread >= 2, [r.workers for r in results]
     assert len({r.session_id for r in results}) == 9
 
 

@@ -169,7 +169,8 @@ def test_what_a_trajectory_offers_its_requests_is_what_its_context_holds(
             assert dict(offer.baggage)["user.key"] == "kept"
             assert now.watched == (now.settings.tracing or offer.traceparent is not None)
             assert offer.traceparent is not None  # the caller's span (local), or the trajectory's
-        assert [now.offer.parent for now in checks if now] == [None, outer.session_id, inner.session_id]
+        # re-entering the outer one inside the inner one: its own session, no parent (never a cycle)
+        assert [now.offer.parent for now in checks if now] == [None, outer.session_id, None]
     finally:
         context.detach(token)
         otel_session.unconfigure()
