@@ -47,7 +47,7 @@ def instrumentors() -> dict[str, Any]:
                 except Exception as exc:  # one broken instrumentor must not take the others down
                     _faults.report(f"loading the {entry_point.name} instrumentor", exc)
         if not found:
-            _faults.logger.warning(
+            _faults.warn(
                 "otel-session: no instrumentors of ours are registered, so no request will carry a "
                 "session: install the package (pip install .) rather than putting it on the path"
             )
@@ -120,55 +120,58 @@ def configure(
 
 def install(settings: Settings, warnings: list[str] | None = None) -> None:
     """Put ``settings`` in force with everything they ask for; on failure (tracing that cannot
-    start) the previous configuration stays in force."""
-    global _previous_textmap
-    warnings = list(warnings or [])
-    if not settings.rules:
-        warnings.append(
-            "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
-            f"pass dynamo_hosts=[...] or set {_settings.ENV_DYNAMO_HOSTS} (or {_settings.ENV_ROUTERS})"
-        )
-    wanted = _wanted(settings)
-    try:
+    start) the previous configuration stays in force. Warnings are logged once the lock is released."""
+    with _faults.deferred():
+        for warning in warnings or []:
+            _faults.warn("%s", warning)
+        if not settings.rules:
+            _faults.warn(
+                "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
+                "pass dynamo_hosts=[...] or set %s (or %s)",
+                _settings.ENV_DYNAMO_HOSTS,
+                _settings.ENV_ROUTERS,
+            )
         with _lock:
-            previous = _settings.current
-            _settings.set_active(settings)  # first: the instrumentors must see a configuration
-            # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so
-            # its wrappers must sit above ours. A missing SDK or bad exporter variable undoes all this.
-            for name in wanted:  # instrumented while its switch was off, or for other names: again
-                instrumentor = _instrumentor(name)
-                if instrumentor.is_instrumented_by_opentelemetry and (
-                    not instrumentor.active or instrumentor.kind == "boundary"
-                ):
-                    instrumentor.uninstrument()
-            fresh = [name for name in wanted if not _instrumentor(name).is_instrumented_by_opentelemetry]
-            for name in fresh:
+            _install(settings)
+
+
+def _install(settings: Settings) -> None:
+    global _previous_textmap
+    previous = _settings.current
+    _settings.set_active(settings)  # first: the instrumentors must see a configuration
+    wanted = _wanted(settings)
+    # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so its
+    # wrappers must sit above ours. A missing SDK or bad exporter variable undoes all of this.
+    for name in wanted:  # instrumented while its switch was off, or for other names: again
+        instrumentor = _instrumentor(name)
+        if instrumentor.is_instrumented_by_opentelemetry and (
+            not instrumentor.active or instrumentor.kind == "boundary"
+        ):
+            instrumentor.uninstrument()
+    fresh = [name for name in wanted if not _instrumentor(name).is_instrumented_by_opentelemetry]
+    for name in fresh:
+        _instrumentor(name).instrument()
+    try:
+        _tracing.apply(settings.tracing, upstream_client_instrumentors())
+    except Exception:
+        _settings.set_active(previous)
+        for name in fresh:  # only what this call instrumented: uninstrumenting the rest would warn
+            _instrumentor(name).uninstrument()
+        for name in _wanted(previous) if previous is not None else []:  # the boundaries it had
+            if not _instrumentor(name).is_instrumented_by_opentelemetry:
                 _instrumentor(name).instrument()
-            try:
-                _tracing.apply(settings.tracing, upstream_client_instrumentors())
-            except Exception:
-                _settings.set_active(previous)
-                for name in fresh:  # only what this call instrumented: uninstrumenting the rest would warn
-                    _instrumentor(name).uninstrument()
-                raise
-            for name in instrumentors():
-                if name not in wanted and _instrumentor(name).is_instrumented_by_opentelemetry:
-                    _instrumentor(name).uninstrument()
-            current = propagate.get_global_textmap()
-            if not isinstance(current, SessionPropagator):
-                _previous_textmap = current
-                propagate.set_global_textmap(SessionPropagator())
-    finally:
-        _log(warnings)
+        raise
+    for name in instrumentors():
+        if name not in wanted and _instrumentor(name).is_instrumented_by_opentelemetry:
+            _instrumentor(name).uninstrument()
+    current = propagate.get_global_textmap()
+    if not isinstance(current, SessionPropagator):
+        _previous_textmap = current
+        propagate.set_global_textmap(SessionPropagator())
 
 
 def _instrumentor(name: str) -> Any:
     return instrumentors()[name]()
-
-
-def _log(warnings: list[str]) -> None:
-    for warning in warnings:
-        _faults.logger.warning("%s", warning)
 
 
 def unconfigure() -> None:
@@ -177,7 +180,7 @@ def unconfigure() -> None:
     Trajectories still set their session in the context (so code keeps working), but nothing is sent.
     """
     global _previous_textmap
-    with _lock:
+    with _faults.deferred(), _lock:
         _settings.set_active(None)
         _tracing.apply(False)
         for name in instrumentors():
@@ -238,8 +241,10 @@ def activate_environment() -> None:
     and its fallback; a stock propagator that would leak is another warning, saying what to set.
     """
     settings, warnings = _settings.build(tracing=False, lenient=True, servers_default=True)
-    with _lock:
-        if _settings.current is None:
-            _settings.set_active(settings)
-    _log(warnings)
+    with _faults.deferred():
+        for warning in warnings:
+            _faults.warn("%s", warning)
+        with _lock:
+            if _settings.current is None:
+                _settings.set_active(settings)
     warn_stock_leaks()

@@ -30,7 +30,7 @@ def configure_from_environment() -> None:
             # Only tracing can fail here (a missing SDK, an unusable OTLP exporter setting).
             if not settings.tracing:
                 raise
-            _faults.logger.warning(
+            _faults.warn(
                 "otel-session: %s (%s); tracing stays off, the rest is delivered as usual",
                 exc,
                 _settings.ENV_TRACING,

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from otel_session._faults import logger
+from otel_session._faults import warn
 
 ENV_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
 ENV_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
@@ -87,7 +87,7 @@ class DeadlineExporter(SpanExporter):
         if self._warned:
             return
         self._warned = True
-        logger.warning(
+        warn(
             "otel-session: a trace export got no complete answer from the collector within %.1f s; it is "
             "given up, and batches are dropped while it hangs. Further ones are not logged.",
             budget,
@@ -158,7 +158,7 @@ def export_timeout() -> float:
         seconds = math.nan
     if math.isfinite(seconds) and seconds > 0:
         return seconds
-    logger.warning(
+    warn(
         "otel-session: %s=%r is not a positive number of seconds; each trace export gives up after %s s",
         variable,
         raw,

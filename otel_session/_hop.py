@@ -203,7 +203,7 @@ def outside(scheme: str, host: str | None, port: int | None) -> None:
         return
     untold = False
     with contextlib.suppress(Exception):
-        _faults.logger.warning(
+        _faults.warn(
             "otel-session: a request to %s router %s was sent outside any trajectory, so it carries no "
             "session; give its rollout a boundary: otel_session.trajectory(), "
             "OTEL_SESSION_TRAJECTORY_FUNCTIONS=module:function, or a framework instrumentor (NeMo-RL's is "

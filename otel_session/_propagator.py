@@ -110,7 +110,7 @@ def warn_stock_leaks(propagator: TextMapPropagator | None = None) -> None:
     if not leaks:
         return
     _leak_warned.append(True)
-    _faults.logger.warning(
+    _faults.warn(
         "otel-session: OTEL_PROPAGATORS includes the stock %s propagator(s), which send %s to every "
         "host through clients otel-session does not instrument; set OTEL_PROPAGATORS=dynamo_session (it "
         "sends traceparent and baggage itself, only to routers and trusted hosts) or run with "

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from otel_session import _settings
-from otel_session._faults import logger, report
+from otel_session._faults import logger, report, warn
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
 from otel_session._routers import END_DYNAMO_FINAL, END_VLLM_FINISH, profile_named
 
@@ -317,7 +317,7 @@ def _run(notice: Notice, deadline: float, done: _Done) -> None:
             first = where not in _warned or _warned[where] is not settings
             _warned[where] = settings
         if first:
-            logger.warning(
+            warn(
                 "otel-session: could not tell %s that a session ended (%s: %s); its binding will "
                 "idle out instead. Further failures for this router are not logged.",
                 where,

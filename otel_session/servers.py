@@ -229,7 +229,7 @@ def starlette_session(key: str = "session_id") -> SessionSource:
         if session is None:
             if not _order_warned:
                 _order_warned.append(True)
-                _faults.logger.warning(_ORDER_HINT)
+                _faults.warn(_ORDER_HINT)
             return None
         value: object = session.get(key)
         return value if isinstance(value, str) else None

@@ -401,3 +401,69 @@ def test_re_entering_the_trajectory_outside_the_enclosing_one_makes_no_parent_cy
     assert inner.parent_session_id == outer.session_id
     assert again.session_id == outer.session_id and again.parent_session_id is None
     assert dynamo.requests[0].get("X-Dynamo-Parent-Session-ID") is None
+
+
+@pytest.mark.parametrize("trigger", ["boundary", "timeout", "empty"])
+def test_no_warning_of_ours_is_logged_while_configure_holds_its_lock(
+    trigger: str, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that hands ``unconfigure()`` to another thread and waits for it deadlocked on any
+    warning logged under ``configure()``'s lock: a named function that does not resolve in a module
+    already imported, a malformed export timeout while tracing starts, no hosts at all."""
+    receiver = OtlpHttpReceiver()
+    arguments: dict[str, object] = {"dynamo_hosts": [dynamo.url]}
+    if trigger == "boundary":
+        arguments["trajectory_functions"] = ["json:no_such_function"]
+    elif trigger == "timeout":
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")
+        arguments["tracing"] = True
+    else:
+        arguments["dynamo_hosts"] = []
+    heard: list[str] = []
+    stuck: list[bool] = []
+
+    class HandsOff(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+            helper = threading.Thread(target=otel_session.unconfigure, daemon=True)
+            helper.start()
+            helper.join(3)
+            stuck.append(helper.is_alive())  # still waiting on configure()'s lock
+
+    logger = logging.getLogger("otel_session")
+    handler = HandsOff()
+    logger.addHandler(handler)
+    try:
+        done = threading.Event()
+
+        def run() -> None:
+            otel_session.configure(**arguments)  # type: ignore[arg-type]
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert done.wait(30), "configure() hung"
+        assert heard, "the trigger warned nothing: the test checks nothing"
+        assert not any(stuck), "a warning was logged while configure() held its lock"
+    finally:
+        logger.removeHandler(handler)
+        otel_session.unconfigure()
+        receiver.close()
+
+
+def test_configure_that_fails_to_start_tracing_keeps_the_previous_boundaries(
+    tmp_path: Path, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"kept_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        "def rollout():\n    import otel_session\n    return otel_session.current_session_id()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__(name)
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{name}:rollout"])
+    assert module.rollout() is not None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
+        otel_session.configure(dynamo_hosts=[dynamo.url], tracing=True)
+    assert module.rollout() is not None  # the previous configuration, its boundary included, in force
+    sys.modules.pop(name, None)

@@ -158,7 +158,7 @@ def test_what_a_trajectory_offers_its_requests_is_what_its_context_holds(
     try:
         with otel_session.trajectory() as outer:
             checks = [_hop.current()]
-            with otel_session.trajectory() as inner:
+            with otel_session.trajectory():
                 checks.append(_hop.current())
                 with otel_session.trajectory(session_id=outer.session_id):
                     checks.append(_hop.current())

@@ -195,7 +195,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
             if not self.presets and name not in _WARNED:  # a preset names what a version may lack
                 _WARNED.add(name)
                 reason = str(exc) if isinstance(exc, Unresolved) else f"{type(exc).__name__}: {exc}"
-                _faults.logger.warning(
+                _faults.warn(
                     "otel-session: trajectory function %s does not resolve (%s); the other names still apply",
                     name,
                     reason,
@@ -217,7 +217,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
             return
         for name in self._names:
             if name.partition(":")[0] not in sys.modules:
-                _faults.logger.warning(
+                _faults.warn(
                     "otel-session: trajectory function %s was never applied: its module was never imported",
                     name,
                 )
