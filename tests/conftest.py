@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +42,34 @@ def _unconfigured() -> Iterator[None]:
     otel_session.unconfigure()
     yield
     otel_session.unconfigure()
+
+
+@pytest.fixture
+def clean_otel_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No exporter, batch, sampler or otel-session variable from the machine; unconfigured after."""
+    for name in list(os.environ):
+        if name.startswith(("OTEL_EXPORTER_OTLP_", "OTEL_BSP_", "OTEL_SESSION_", "OTEL_TRACES_SAMPLER")):
+            monkeypatch.delenv(name)
+    yield
+    otel_session.unconfigure()
+
+
+@pytest.fixture
+def new_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], str]]:
+    """``new_module(prefix, source)``: a module of that source, importable and not yet imported, as
+    a framework's would be; its name is returned, and it is forgotten after the test."""
+    made: list[str] = []
+
+    def make(prefix: str, source: str) -> str:
+        name = f"{prefix}_{tmp_path.name.replace('-', '_')}"
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:
+        sys.modules.pop(name, None)
 
 
 @pytest.fixture

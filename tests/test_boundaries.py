@@ -15,7 +15,7 @@ import logging
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -87,13 +87,9 @@ def outer(turns):
 
 
 @pytest.fixture
-def rollouts(tmp_path: Path, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def rollouts(new_module: Callable[[str, str], str]) -> str:
     """A fresh module name holding the rollout functions above, importable, not yet imported."""
-    name = f"rollouts_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(ROLLOUTS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield name
-    sys.modules.pop(name, None)
+    return new_module("rollouts", ROLLOUTS)
 
 
 def _load(name: str, dynamo: Recorder) -> ModuleType:
@@ -326,16 +322,15 @@ def test_a_named_coroutine_never_awaited_starts_no_attempt_and_warns_nothing(
 
 
 def test_a_named_boundary_records_its_name_and_sample_index_on_its_span(
-    tmp_path: Path, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+    new_module: Callable[[str, str], str], dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tests.otlp_receiver import OtlpHttpReceiver
 
-    name = f"samples_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(
+    name = new_module(
+        "samples",
         "async def run_sample(sample_idx, state):\n    return sample_idx\n\n"
-        "class Impl:\n    async def run_single(self, sample, traj_idx):\n        return traj_idx\n"
+        "class Impl:\n    async def run_single(self, sample, traj_idx):\n        return traj_idx\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     receiver = OtlpHttpReceiver()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
@@ -363,7 +358,6 @@ def test_a_named_boundary_records_its_name_and_sample_index_on_its_span(
     finally:
         otel_session.unconfigure()
         receiver.close()
-        sys.modules.pop(name, None)
 
 
 def test_a_function_named_twice_a_preset_and_by_the_user_is_one_boundary(
@@ -426,20 +420,15 @@ def test_a_name_that_would_hook_what_otel_session_runs_is_one_warning_never_a_cr
 
 
 def test_a_property_or_a_plain_value_is_named_as_what_it_is(
-    tmp_path: Path, dynamo: Recorder, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    new_module: Callable[[str, str], str], dynamo: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
-    name = f"values_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(
-        "URL = 'x'\nclass K:\n    @property\n    def p(self):\n        return 1\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    name = new_module("values", "URL = 'x'\nclass K:\n    @property\n    def p(self):\n        return 1\n")
     caplog.set_level(logging.WARNING, "otel_session")
     otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{name}:URL", f"{name}:K.p"])
     module = importlib.import_module(name)
     assert module.K().p == 1
     lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert len(lines) == 2 and all("is not a function, method or callable object" in line for line in lines)
-    sys.modules.pop(name, None)
 
 
 def test_unconfigure_gives_an_inherited_method_back_to_its_base(rollouts: str, dynamo: Recorder) -> None:

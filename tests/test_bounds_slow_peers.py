@@ -26,7 +26,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -205,19 +205,7 @@ def _eventually(condition: Callable[[], bool], timeout: float) -> float:
     return time.monotonic() - began
 
 
-@pytest.fixture
-def _otlp_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in list(os.environ):
-        if name.startswith(("OTEL_EXPORTER_OTLP_", "OTEL_BSP_", "OTEL_SESSION_", "OTEL_TRACES_SAMPLER")):
-            monkeypatch.delenv(name)
-    yield
-    otel_session.unconfigure()
-
-
-# ----------------------------------------------------------------------------- 7. trace export
-
-
-@pytest.mark.usefixtures("_otlp_env")
+@pytest.mark.usefixtures("clean_otel_env")
 def test_unconfigure_is_bounded_while_the_collector_drips(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -259,7 +247,7 @@ EXIT_SCRIPT = """
 """
 
 
-@pytest.mark.usefixtures("_otlp_env")
+@pytest.mark.usefixtures("clean_otel_env")
 def test_process_exit_is_bounded_while_the_collector_drips(tmp_path: Path) -> None:
     with Peer() as dynamo, Peer(drip=("/v1/traces",), drip_for=60) as collector:
         script = tmp_path / "script.py"
@@ -294,7 +282,7 @@ def test_process_exit_is_bounded_while_the_collector_drips(tmp_path: Path) -> No
     assert len(dynamo.targets("/v1/chat/completions")) == 53
 
 
-@pytest.mark.usefixtures("_otlp_env")
+@pytest.mark.usefixtures("clean_otel_env")
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"])
 @pytest.mark.parametrize("raw", ["abc", "-1", "0", "nan"])
@@ -332,7 +320,7 @@ def test_a_malformed_export_timeout_gets_the_library_bound(
         assert flushed > 0.5, flushed  # it did retry (-1 would have failed at once): 2 s, not 0
 
 
-@pytest.mark.usefixtures("_otlp_env")
+@pytest.mark.usefixtures("clean_otel_env")
 @pytest.mark.parametrize("receiver_class", [OtlpHttpReceiver, OtlpGrpcReceiver])
 def test_a_malformed_export_timeout_still_exports(
     receiver_class: type[OtlpHttpReceiver | OtlpGrpcReceiver], monkeypatch: pytest.MonkeyPatch

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -452,13 +452,11 @@ def test_no_warning_of_ours_is_logged_while_configure_holds_its_lock(
 
 
 def test_configure_that_fails_to_start_tracing_keeps_the_previous_boundaries(
-    tmp_path: Path, dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+    new_module: Callable[[str, str], str], dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name = f"kept_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(
-        "def rollout():\n    import otel_session\n    return otel_session.current_session_id()\n"
+    name = new_module(
+        "kept", "def rollout():\n    import otel_session\n    return otel_session.current_session_id()\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     module = __import__(name)
     otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{name}:rollout"])
     assert module.rollout() is not None
@@ -466,4 +464,3 @@ def test_configure_that_fails_to_start_tracing_keeps_the_previous_boundaries(
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL"):
         otel_session.configure(dynamo_hosts=[dynamo.url], tracing=True)
     assert module.rollout() is not None  # the previous configuration, its boundary included, in force
-    sys.modules.pop(name, None)

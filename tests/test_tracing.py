@@ -33,12 +33,8 @@ PROTOCOLS: dict[str, type[Receiver]] = {"http/protobuf": OtlpHttpReceiver, "grpc
 
 
 @pytest.fixture(autouse=True)
-def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in list(os.environ):
-        if name.startswith(("OTEL_EXPORTER_OTLP_", "OTEL_BSP_", "OTEL_SESSION_", "OTEL_TRACES_SAMPLER")):
-            monkeypatch.delenv(name)
-    yield
-    otel_session.unconfigure()
+def _clean(clean_otel_env: None) -> None:
+    """Every test here starts from no exporter or otel-session variable of the machine's."""
 
 
 @pytest.fixture
