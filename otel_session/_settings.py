@@ -114,9 +114,8 @@ class _Reader:
     def _fail(self, name: str, message: str, consequence: str) -> None:
         if not self.lenient:
             raise SettingError(name, message)
-        self.warnings.append(
-            f"otel-session: {message} ({name}); {consequence}, the rest is delivered as usual"
-        )
+        named = message if name in message else f"{message} ({name})"  # the variable named once
+        self.warnings.append(f"otel-session: {named}; {consequence}, the rest is delivered as usual")
 
     def _items(self, value: object, name: str) -> list[str]:
         if isinstance(value, str):
