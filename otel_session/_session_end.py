@@ -25,38 +25,27 @@ application adds to them.
 A plain ``with`` exiting on a thread that runs an event loop (asyncio, or trio, anyio on either) does
 not wait at all; ``async with`` awaits the notices on whichever of the two runs it.
 
-Over 300 lines because every bound is its own code: two router protocols, a deadline that the
-standard library's per-operation timeouts cannot give (name look-up and each read of a dripping
-peer), a bounded pool of slots, and a waiting side for each of asyncio and trio.
+How one request is bounded in total lives in ``_bounded_http``; how an exit waits (or does not) in
+plain code, asyncio and trio lives in ``_waiting``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import contextvars
-import http.client
-import ipaddress
 import json
-import math
-import socket
-import ssl
-import sys
 import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from otel_session import _settings
+from otel_session._bounded_http import Peer
 from otel_session._faults import logger, report, warn
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER
 from otel_session._routers import END_DYNAMO_FINAL, END_VLLM_FINISH, profile_named
-
-if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer, WriteableBuffer
+from otel_session._waiting import Countdown, loop_running, wait_async
 
 #: The most a trajectory's exit is delayed by telling its routers the session ended.
 BUDGET_SECONDS = 0.5
@@ -146,7 +135,7 @@ def finish(session: str, parent: str | None, visits: Iterable[Visit] | None) -> 
     """
     try:
         done = _start(session, parent, visits)
-        if done is not None and not _loop_running():
+        if done is not None and not loop_running():
             done.wait(BUDGET_SECONDS)
     except Exception as exc:
         report("ending sessions", exc)
@@ -160,108 +149,10 @@ async def finish_async(session: str, parent: str | None, visits: Iterable[Visit]
     """
     try:
         done = _start(session, parent, visits)
-        if done is None:
-            return
-        if _trio_running():
-            await _wait_trio(done)
-        else:
-            await _wait_asyncio(done)
+        if done is not None:
+            await wait_async(done, BUDGET_SECONDS)
     except Exception as exc:
         report("ending sessions", exc)
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return _trio_running()
-    return True
-
-
-def _trio_running() -> bool:
-    """Whether this thread runs trio's loop; without trio imported it cannot, and nothing is imported."""
-    if "trio" not in sys.modules:
-        return False
-    try:
-        import sniffio
-    except ImportError:  # trio depends on sniffio; should it be missing, trio goes unrecognised
-        return False
-    try:
-        return bool(sniffio.current_async_library() == "trio")
-    except sniffio.AsyncLibraryNotFoundError:
-        return False
-
-
-async def _wait_asyncio(done: _Done) -> None:
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return  # some other library's loop: the notices go out unawaited
-    future: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop may be closed by then
-            loop.call_soon_threadsafe(_resolve, future)
-
-    done.on_done(wake)
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(asyncio.shield(future), BUDGET_SECONDS)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-async def _wait_trio(done: _Done) -> None:
-    """Await the notices in trio, woken from the last notice's thread through trio's token.
-
-    The wait is shielded and ends at the budget or at the deadline of the scopes around it, whichever
-    comes first, so it never raises ``Cancelled`` into the exit: a cancelled trajectory does not wait.
-    """
-    import trio
-
-    finished = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-
-    def wake() -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(finished.set)
-
-    done.on_done(wake)
-    deadline = min(trio.current_time() + BUDGET_SECONDS, trio.current_effective_deadline())
-    with trio.CancelScope(deadline=deadline, shield=True):
-        await finished.wait()
-
-
-class _Done:
-    """Counts finished notices; ``wait`` and ``on_done`` see the last one finish."""
-
-    def __init__(self, count: int) -> None:
-        self._left = count
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self._callbacks: list[Callable[[], None]] = []
-
-    def one_finished(self) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left > 0:
-                return
-            callbacks, self._callbacks = self._callbacks, []
-        self._event.set()
-        for callback in callbacks:
-            callback()
-
-    def wait(self, timeout: float) -> None:
-        self._event.wait(timeout)
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if self._left > 0:
-                self._callbacks.append(callback)
-                return
-        callback()
 
 
 # ----------------------------------------------------------------------------- sending
@@ -282,13 +173,13 @@ def _give_slot() -> None:
         _slots_taken -= 1
 
 
-def _start(session: str, parent: str | None, visits: Iterable[Visit] | None) -> _Done | None:
+def _start(session: str, parent: str | None, visits: Iterable[Visit] | None) -> Countdown | None:
     if not visits:
         return None
     owed = notices(session, parent, visits)
     if not owed:
         return None
-    done = _Done(len(owed))
+    done = Countdown(len(owed))
     for notice in owed:
         if not _take_slot():
             logger.debug("otel-session: too many session ends in flight; %s left to its TTL", notice.base)
@@ -307,7 +198,7 @@ def _start(session: str, parent: str | None, visits: Iterable[Visit] | None) -> 
     return done
 
 
-def _run(notice: Notice, deadline: float, done: _Done) -> None:
+def _run(notice: Notice, deadline: float, done: Countdown) -> None:
     try:
         contextvars.Context().run(_send, notice, deadline)  # an empty context: no trajectory, no span
     except Exception as exc:
@@ -322,7 +213,7 @@ def _run(notice: Notice, deadline: float, done: _Done) -> None:
                 "idle out instead. Further failures for this router are not logged.",
                 where,
                 type(exc).__name__,
-                exc,
+                f"{exc} ({NOTICE_DEADLINE_S} s after it started)" if isinstance(exc, TimeoutError) else exc,
             )
     finally:
         _give_slot()
@@ -331,7 +222,7 @@ def _run(notice: Notice, deadline: float, done: _Done) -> None:
 
 def _send(notice: Notice, deadline: float) -> None:
     _, scheme, host, port = notice.visit
-    router = _Router(scheme, host, port, deadline)
+    router = Peer(scheme, host, port, deadline)
     if notice.ends_by == END_VLLM_FINISH:
         query = urllib.parse.urlencode({"session_id": notice.session})
         router.request("POST", f"/finish_session?{query}", b"", {}, 1 << 16)
@@ -364,184 +255,7 @@ def final_request_body(model: str) -> bytes:
     return json.dumps(body).encode()
 
 
-def _dynamo_models(router: _Router) -> list[str]:
+def _dynamo_models(router: Peer) -> list[str]:
     listing = json.loads(router.request("GET", "/v1/models", None, {}, 1 << 20))
     ids = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
     return [i for i in ids if isinstance(i, str) and i][:MAX_MODELS]
-
-
-def _time_left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"no complete answer within {NOTICE_DEADLINE_S} s")
-    return left
-
-
-class _Router:
-    """One router's address, looked up once per notice, and requests to it within the notice's deadline."""
-
-    def __init__(self, scheme: str, host: str, port: int | None, deadline: float) -> None:
-        self.tls = scheme == "https"
-        self.host = host.strip("[]")
-        self.port = port if port is not None else (443 if self.tls else 80)
-        self.deadline = deadline
-        self._addresses: list[tuple[int, Any]] | None = None
-
-    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str], cap: int) -> bytes:
-        """One request on a fresh connection; the answer's body (up to ``cap`` bytes) if it is a 2xx."""
-        if self._addresses is None:
-            self._addresses = _addresses(self.host, self.port, self.deadline)
-        connection = _Connection(self, self._addresses)
-        try:
-            connection.request(method, path, body=body, headers=headers)
-            response = connection.getresponse()
-            payload = response.read(cap)
-        finally:
-            connection.close()
-        if not 200 <= response.status < 300:  # a redirect too: a notice goes nowhere but its router
-            where = path.split("?")[0]  # the query holds the session ID, which a warning does not show
-            raise http.client.HTTPException(f"HTTP {response.status} {response.reason} for {method} {where}")
-        return payload
-
-
-class _Connection(http.client.HTTPConnection):
-    """``http.client`` on a socket whose every operation gets only what is left of the deadline."""
-
-    def __init__(self, router: _Router, addresses: list[tuple[int, Any]]) -> None:
-        super().__init__(router.host, router.port)
-        self._router = router
-        self._addresses = addresses
-
-    def connect(self) -> None:
-        router = self._router
-        failure: OSError = OSError(f"no address for {router.host}")
-        for family, address in self._addresses:
-            sock = _DeadlineSocket(family, socket.SOCK_STREAM)
-            sock.deadline = router.deadline
-            try:
-                sock.settimeout(_time_left(router.deadline))
-                sock.connect(address)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if router.tls:
-                    sock.settimeout(_time_left(router.deadline))  # the handshake, in all
-                    tls = _tls_context().wrap_socket(sock, server_hostname=router.host)
-                    if isinstance(tls, _DeadlineTLSSocket):
-                        tls.deadline = router.deadline
-                    self.sock = tls
-                else:
-                    self.sock = sock
-                return
-            except OSError as exc:
-                sock.close()
-                failure = exc
-                if isinstance(exc, TimeoutError):
-                    break
-        raise failure
-
-
-class _DeadlineSocket(socket.socket):
-    """A socket whose reads and writes each time out at what is left until ``deadline``.
-
-    A socket timeout bounds one operation, so a peer sending a byte at a time would reset it forever.
-    """
-
-    deadline = math.inf
-
-    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
-        self.settimeout(_time_left(self.deadline))
-        return super().recv_into(buffer, nbytes, flags)
-
-    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
-        self.settimeout(_time_left(self.deadline))  # sendall's timeout is for all of it
-        super().sendall(data, flags)
-
-
-class _DeadlineTLSSocket(ssl.SSLSocket):
-    """The same over TLS (its ``sendall`` calls ``send`` until all is sent)."""
-
-    deadline = math.inf
-
-    def recv_into(self, buffer: WriteableBuffer, nbytes: int | None = None, flags: int = 0) -> int:
-        self.settimeout(_time_left(self.deadline))
-        return super().recv_into(buffer, nbytes, flags)
-
-    def send(self, data: ReadableBuffer, flags: int = 0) -> int:
-        self.settimeout(_time_left(self.deadline))
-        return super().send(data, flags)
-
-
-_tls: ssl.SSLContext | None = None
-
-
-def _tls_context() -> ssl.SSLContext:
-    """The default verifying context (as ``urllib`` uses), made at the first https notice."""
-    global _tls
-    if _tls is None:
-        context = ssl.create_default_context()
-        context.sslsocket_class = _DeadlineTLSSocket
-        _tls = context
-    return _tls
-
-
-# ----------------------------------------------------------------------------- name look-up
-
-
-class _Lookup:
-    """One ``getaddrinfo`` on its own thread, shared by every notice for that (host, port) meanwhile.
-
-    The resolver has no timeout of its own; a notice waits for it only until its deadline, and notices
-    to one router never start a second look-up while one is running, so slow look-ups hold no slot and
-    leave at most one thread per router behind (and no more than there are slots in all).
-    """
-
-    def __init__(self, key: tuple[str, int]) -> None:
-        self.key = key
-        self.finished = threading.Event()
-        self.result: list[tuple[int, Any]] | OSError = OSError("not looked up")
-
-    def run(self) -> None:
-        host, port = self.key
-        try:
-            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            self.result = [(family, address) for family, _, _, _, address in found]
-        except OSError as exc:
-            self.result = exc
-        except Exception as exc:  # e.g. UnicodeError for a name IDNA refuses
-            self.result = OSError(f"cannot look up {host!r}: {exc}")
-        finally:
-            with _lookups_lock:
-                if _lookups.get(self.key) is self:
-                    del _lookups[self.key]
-            self.finished.set()
-
-
-_lookups: dict[tuple[str, int], _Lookup] = {}
-_lookups_lock = threading.Lock()
-
-
-def _addresses(host: str, port: int, deadline: float) -> list[tuple[int, Any]]:
-    """Where ``host`` is, looked up within ``deadline``; an address literal needs no look-up."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-        return [(family, address) for family, _, _, _, address in found]
-    key = (host, port)
-    with _lookups_lock:
-        lookup = _lookups.get(key)
-        if lookup is None:
-            if len(_lookups) >= _MAX_IN_FLIGHT:  # a resolver hanging for every name: start no more
-                raise TimeoutError(f"{len(_lookups)} name look-ups are still hanging; not looking up {host}")
-            lookup = _lookups[key] = _Lookup(key)
-            try:
-                threading.Thread(target=lookup.run, name="otel-session-lookup", daemon=True).start()
-            except BaseException:
-                del _lookups[key]
-                raise
-    if not lookup.finished.wait(_time_left(deadline)):
-        raise TimeoutError(f"looking up {host} took longer than {NOTICE_DEADLINE_S} s")
-    if isinstance(lookup.result, OSError):
-        raise lookup.result
-    return lookup.result

@@ -38,7 +38,7 @@ import trio
 import trustme
 
 import otel_session
-from otel_session import _export, _session_end, _tracing
+from otel_session import _bounded_http, _export, _session_end, _tracing
 from otel_session._session_end import BUDGET_SECONDS, NOTICE_DEADLINE_S
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 
@@ -428,7 +428,7 @@ def trusted_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[trustme
     ca = trustme.CA()
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
     monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
-    monkeypatch.setattr(_session_end, "_tls", None)  # made afresh, reading SSL_CERT_FILE
+    monkeypatch.setattr(_bounded_http, "_tls", None)  # made afresh, reading SSL_CERT_FILE
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ca.issue_cert("127.0.0.1").configure_cert(server)
     return ca, server

@@ -29,6 +29,8 @@ from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor,
 # middleware's) copies the caller's, never a copy holding that send's session.
 _in_flight: dict[int, tuple[Any, Any]] = {}
 _NOTHING: dict[str, str] = {}
+
+
 def _folds_case(kind: type) -> bool:
     """Whether ``kind``'s keys view compares names ignoring case (multidict 6.1 and later; older
     ones compare names as spelled), and ``add``/``popall`` work as expected."""

@@ -1,0 +1,156 @@
+"""The package's shape, read from its own source: the rules docs/architecture.md states.
+
+No import cycle; the core imports nothing from ``instrumentation/`` or ``dynamo/``; nothing but the
+demo itself imports the demo; no private name is imported from another module; the core stays
+small; and a module over 300 lines says at its top why.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "otel_session"
+CORE = (
+    "otel_session",
+    "otel_session._ids",
+    "otel_session._context",
+    "otel_session._faults",
+    "otel_session._routers",
+    "otel_session._hosts",
+    "otel_session._settings",
+    "otel_session._w3c",
+    "otel_session._policy",
+    "otel_session._hop",
+    "otel_session._carriers",
+    "otel_session._propagator",
+    "otel_session._trajectory",
+    "otel_session._carry",
+    "otel_session._config",
+)
+CORE_MAX_LINES = 2_500
+LONG = 300
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, str | None]]:
+    """``(module, imported name or None)`` for every import of the package, lazy ones included."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.startswith("otel_session")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.startswith("otel_session"):
+                found += [(base, alias.name) for alias in node.names]
+    return found
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        targets = set()
+        for module, imported in _imports(name, path):
+            full = f"{module}.{imported}"
+            targets.add(full if full in MODULES else module)
+        edges[name] = {t for t in targets if t in MODULES and t != name}
+    return edges
+
+
+def test_the_modules_the_core_names_exist() -> None:
+    assert set(CORE) <= set(MODULES)
+
+
+def test_no_import_cycle() -> None:
+    edges = _edges()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(edges[module]):
+            if state.get(target) == 1:
+                cycles.append([*stack[stack.index(target) :], target])
+            elif target not in state:
+                visit(target, stack)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])
+    assert cycles == []
+
+
+def _reach(start: str, edges: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_the_core_reaches_neither_instrumentation_nor_the_demo(module: str) -> None:
+    reached = _reach(module, _edges())
+    outside = sorted(
+        m for m in reached if m.startswith(("otel_session.instrumentation", "otel_session.dynamo"))
+    )
+    assert outside == [], f"{module} imports {outside}"
+
+
+def test_only_the_demo_imports_the_demo() -> None:
+    edges = _edges()
+    users = sorted(
+        m
+        for m, targets in edges.items()
+        if not m.startswith("otel_session.dynamo")
+        and any(t.startswith("otel_session.dynamo") for t in targets)
+    )
+    assert users == []
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    crossing = []
+    for name, path in MODULES.items():
+        for module, imported in _imports(name, path):
+            if imported and imported.startswith("_") and f"{module}.{imported}" not in MODULES:
+                crossing.append(f"{name}: from {module} import {imported}")
+    assert crossing == []
+
+
+def test_the_core_is_small() -> None:
+    lines = sum(len(MODULES[m].read_text(encoding="utf-8").splitlines()) for m in CORE)
+    assert lines <= CORE_MAX_LINES, f"the core is {lines} lines"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES), ids=sorted(MODULES))
+def test_a_long_module_says_at_its_top_why(name: str) -> None:
+    text = MODULES[name].read_text(encoding="utf-8")
+    if len(text.splitlines()) <= LONG:
+        return
+    docstring = " ".join((ast.get_docstring(ast.parse(text)) or "").split())
+    assert "300 lines" in docstring or "Why one module of some" in docstring, (
+        f"{name} does not say why it is long"
+    )
