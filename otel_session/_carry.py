@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_session import _faults, _hop
+from otel_session import _faults, _hop, _settings
 from otel_session._context import (
     HOP_KEY,
     PARENT_KEY,
@@ -34,6 +36,7 @@ from otel_session._context import (
     with_session,
 )
 from otel_session._ids import is_valid_session_id
+from otel_session._trajectory import Started, async_generator_in, awaited_in, generator_in
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -44,14 +47,48 @@ def bind(func: Callable[_P, _R]) -> Callable[_P, _R]:
     """Make ``func`` run in the caller's current context, wherever it is later called.
 
     ``pool.submit(otel_session.bind(work), x)`` keeps the trajectory's session in the pool thread.
+    A coroutine function, generator function or async generator function keeps it where its body
+    runs: awaited or iterated later, on another thread or loop, as ``trajectory()`` does for them.
     """
     captured = contextvars.copy_context()
+    if not (
+        inspect.iscoroutinefunction(func)
+        or inspect.isgeneratorfunction(func)
+        or inspect.isasyncgenfunction(func)
+    ):
+
+        @functools.wraps(func)
+        def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            return captured.copy().run(func, *args, **kwargs)
+
+        return run
+    ctx = otel_context.get_current()
+
+    def start(args: Any, kwargs: Any) -> Callable[[], Started]:
+        return lambda: (None, ctx, captured.copy().run(func, *args, **kwargs))
+
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            return await awaited_in(start(args, kwargs))
+
+        return cast(Callable[_P, _R], run_async)
+    if inspect.isasyncgenfunction(func):
+        # Not ``async_generator_in`` itself: calling ``run_async_generator`` must give an async
+        # generator, so frameworks that inspect it see what they were given.
+        @functools.wraps(func)
+        async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
+            async for item in async_generator_in(start(args, kwargs)):
+                yield item
+
+        return cast(Callable[_P, _R], run_async_generator)
 
     @functools.wraps(func)
-    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return captured.copy().run(func, *args, **kwargs)
+    def run_generator(*args: Any, **kwargs: Any) -> Any:
+        return (yield from generator_in(start(args, kwargs)))
 
-    return run
+    return cast(Callable[_P, _R], run_generator)
 
 
 def session_carrier() -> dict[str, str]:
@@ -80,8 +117,15 @@ def resume(carrier: Mapping[str, Any] | None) -> Iterator[str | None]:
     if not is_valid_session_id(session):
         yield None
         return
+    if _settings.current is None:
+        _hop.unconfigured()
     parent = carrier.get(PARENT_KEY) if carrier is not None else None
-    ctx = _tracecontext.extract(dict(carrier)) if carrier is not None else None
+    strings = {k: v for k, v in carrier.items() if isinstance(k, str) and isinstance(v, str)}  # type: ignore[union-attr]
+    try:
+        ctx: Context | None = _tracecontext.extract(strings)
+    except Exception as exc:  # a trace parent that cannot be read: the session still continues
+        _faults.report("reading the trace parent of a session carrier", exc)
+        ctx = None
     ctx = with_session(session, parent if is_valid_session_id(parent) else None, ctx)  # type: ignore[arg-type]
     token = otel_context.attach(ctx)
     try:

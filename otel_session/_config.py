@@ -10,6 +10,7 @@ released: an application's log handler may call back into us.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import threading
@@ -23,6 +24,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from otel_session import _faults, _settings, _tracing
 from otel_session._hosts import HostPattern
 from otel_session._propagator import SessionPropagator, warn_stock_leaks
+from otel_session._routers import DYNAMO
 from otel_session._settings import Settings
 
 ENV_DISABLED_INSTRUMENTATIONS = "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"
@@ -124,7 +126,17 @@ def install(settings: Settings, warnings: list[str] | None = None) -> None:
     with _faults.deferred():
         for warning in warnings or []:
             _faults.warn("%s", warning)
-        if not settings.rules:
+        hosts_refused = any(
+            f"otel-session: {name}:" in warning
+            for warning in warnings or []
+            for name in (_settings.ENV_DYNAMO_HOSTS, _settings.ENV_TRUSTED_HOSTS, _settings.ENV_ROUTERS)
+        )
+        if not settings.rules and hosts_refused:
+            _faults.warn(
+                "otel-session: no router or trusted host is left once the entries above are left out, so "
+                "no request will carry a session"
+            )
+        elif not settings.rules:
             _faults.warn(
                 "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
                 "pass dynamo_hosts=[...] or set %s (or %s)",
@@ -216,18 +228,29 @@ def add_dynamo_hosts(*addresses: str) -> list[str]:
 
     For a wrapper or frontend that picked a random port at runtime (NeMo-RL's, on the Ray node's
     address): ``otel_session.add_dynamo_hosts(f"{node_ip}:{port}")`` right after it listens. The
-    active settings gain them, and ``OTEL_SESSION_DYNAMO_HOSTS`` in ``os.environ`` too, which every
-    process started afterwards inherits (and a Ray ``runtime_env`` can copy). Returns that variable's
-    new entries. Raises ``ValueError`` (changing nothing) for an address without a port.
+    active settings gain them, and ``OTEL_SESSION_DYNAMO_HOSTS`` in ``os.environ`` too (with the
+    Dynamo hosts already in force, however they were configured), which every process started
+    afterwards inherits (and a Ray ``runtime_env`` can copy). Returns that variable's new entries.
+    Raises ``ValueError`` (changing nothing) for an address without a port.
     """
     added = [exact_host_port(address) for address in addresses]
     patterns = [HostPattern.parse(host) for host in added]
     name = _settings.ENV_DYNAMO_HOSTS
     entries = [entry.strip() for entry in os.environ.get(name, "").split(",") if entry.strip()]
-    entries += [host for host in added if host not in entries]
+    listed = set()
+    for entry in entries:
+        with contextlib.suppress(ValueError):  # a bad entry stays: each child warns about it, as here
+            listed.add(HostPattern.parse(entry))
     with _lock:
-        os.environ[name] = ",".join(entries)
         settings = _settings.current
+        # Children inherit the variable, not this process's configure(): the Dynamo hosts in force
+        # here (given in code, say) go into it too, or a child would know only the added ones.
+        in_force = [p for profile, p in settings.rules.routes if profile is DYNAMO] if settings else []
+        for pattern, text in [(p, str(p)) for p in in_force] + list(zip(patterns, added, strict=True)):
+            if pattern not in listed:
+                listed.add(pattern)
+                entries.append(text)
+        os.environ[name] = ",".join(entries)
         if settings is not None:
             known = {pattern for _, pattern in settings.rules.routes}
             _settings.set_active(settings.with_dynamo_hosts(p for p in patterns if p not in known))

@@ -13,6 +13,7 @@ line naming it, and everything else is still delivered. Tracing that cannot star
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from otel_session import _config, _faults, _settings
@@ -43,12 +44,20 @@ def configure_from_environment() -> None:
 _autostarted: list[bool] = []
 
 
+def _is_launcher() -> bool:
+    """Whether this interpreter runs ``opentelemetry-instrument`` itself, which only starts the real
+    program (that one configures itself, from the distro): configuring the launcher too would log
+    every warning twice."""
+    argv = getattr(sys, "argv", None) or [""]
+    return os.path.basename(str(argv[0])).lower().startswith("opentelemetry-instrument")
+
+
 def autostart() -> None:
     """Run by ``otel_session_autostart.pth`` at interpreter start when ``OTEL_SESSION_AUTO`` is set.
 
     Once per process: some interpreters process a site directory twice (a venv's ``lib64`` link).
     """
-    if _autostarted:
+    if _autostarted or _is_launcher():
         return
     _autostarted.append(True)
     try:

@@ -207,9 +207,29 @@ def outside(scheme: str, host: str | None, port: int | None) -> None:
             "otel-session: a request to %s router %s was sent outside any trajectory, so it carries no "
             "session; give its rollout a boundary: otel_session.trajectory(), "
             "OTEL_SESSION_TRAJECTORY_FUNCTIONS=module:function, or a framework instrumentor (NeMo-RL's is "
-            "built in). Logged once per process.",
+            "built in); if it was sent from a thread or pool inside a trajectory, hand the work over with "
+            "otel_session.bind(). Logged once per process.",
             route.profile.name,
             f"{host}:{port}" if port is not None else host,
+        )
+
+
+unconfigured_untold = True
+
+
+def unconfigured() -> None:
+    """The first trajectory (or ``resume``) of a process where otel-session is not configured says
+    so, once: its requests carry no session, and without a word that looks like a working setup."""
+    global unconfigured_untold
+    if not unconfigured_untold:
+        return
+    unconfigured_untold = False
+    with contextlib.suppress(Exception):
+        _faults.warn(
+            "otel-session: a trajectory started (or was resumed) but otel-session is not configured in "
+            "this process, so no request carries its session; call otel_session.configure(dynamo_hosts="
+            "[...]), run under opentelemetry-instrument with OTEL_PYTHON_DISTRO=otel_session, or set "
+            "OTEL_SESSION_AUTO=true (a Ray worker, a child process). Logged once per process."
         )
 
 

@@ -86,6 +86,10 @@ def _parse_port(text: str, pattern: str) -> int:
     return int(text)
 
 
+# "http//host", "http:/host", "https:host": a URL's scheme with its "://" mistyped.
+_SCHEME_TYPO = re.compile(r"(?i)(https?|wss?)(//|:/|:(?=[^/\d]))")
+
+
 @dataclass(frozen=True)
 class HostPattern:
     """One configured destination: an exact host, or every subdomain of ``host`` when ``wildcard``."""
@@ -109,8 +113,15 @@ class HostPattern:
             raise ValueError("host pattern is empty")
         if "://" in text:
             return cls._parse_url(text, pattern)
+        if _SCHEME_TYPO.match(text):
+            raise ValueError(f"host pattern {pattern!r}: a URL needs '://' (e.g. 'http://host:port')")
         if "/" in text and not text.startswith("["):
-            text = text.partition("/")[0]  # host:port/v1, as copied from a base URL: the path says nothing
+            text, _, path = text.partition("/")  # host:port/v1, copied from a base URL: the path says nothing
+            if path.isdigit() and _normalize_ip(text) is not None:
+                raise ValueError(
+                    f"host pattern {pattern!r}: a network range is not a host pattern; name each address "
+                    "(or the hosts' DNS names, with a '*.' wildcard)"
+                )
         wildcard = text.startswith("*.")
         if wildcard:
             text = text[2:]
@@ -164,6 +175,12 @@ class HostPattern:
         if port == 0:
             raise ValueError(f"host pattern {pattern!r}: {parts.netloc!r} is not a valid host and port")
         return cls(bare.host, bare.port or _DEFAULT_PORTS[scheme], bare.wildcard, scheme)
+
+    def __str__(self) -> str:
+        """The pattern as it was read, in the form it accepts (``http://[::1]:8000``, ``*.corp:443``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        text = ("*." if self.wildcard else "") + host + (f":{self.port}" if self.port is not None else "")
+        return f"{self.scheme}://{text}" if self.scheme else text
 
     @property
     def specificity(self) -> int:
@@ -257,3 +274,12 @@ class HostRules:
 
     def __bool__(self) -> bool:
         return bool(self.routes or self.trusted)
+
+    def __repr__(self) -> str:
+        """The patterns as they were read, by profile: ``print(configure(...))`` shows what matches."""
+        by_profile: dict[str, list[str]] = {}
+        for profile, pattern in self.routes:
+            by_profile.setdefault(profile.name, []).append(str(pattern))
+        routers = ", ".join(f"{name}=[{', '.join(patterns)}]" for name, patterns in by_profile.items())
+        trusted = ", ".join(str(pattern) for pattern in self.trusted)
+        return f"HostRules(routers: {routers or 'none'}; trusted: [{trusted}])"

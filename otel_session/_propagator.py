@@ -29,7 +29,7 @@ from opentelemetry.propagators.textmap import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_session import _carriers, _faults, _hop, _w3c
-from otel_session._context import HOP_KEY, PARENT_KEY, SESSION_KEY, session_ids, with_session
+from otel_session._context import HOP_KEY, PARENT_KEY, SESSION_KEY, with_session
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER, is_valid_session_id
 from otel_session._policy import names_for, plan
 
@@ -47,8 +47,7 @@ class SessionPropagator(TextMapPropagator):
         self, carrier: CarrierT, context: Context | None = None, setter: Setter[CarrierT] = default_setter
     ) -> None:
         try:
-            if _leaks_checked is not propagate.get_global_textmap():
-                warn_stock_leaks()
+            check_global()
             ctx = context if context is not None else get_current()
             hop = ctx.get(HOP_KEY)
             if not isinstance(hop, _hop.Hop):
@@ -111,13 +110,21 @@ def warn_stock_leaks(propagator: TextMapPropagator | None = None) -> None:
         return
     _leak_warned.append(True)
     _faults.warn(
-        "otel-session: OTEL_PROPAGATORS includes the stock %s propagator(s), which send %s to every "
-        "host through clients otel-session does not instrument; set OTEL_PROPAGATORS=dynamo_session (it "
-        "sends traceparent and baggage itself, only to routers and trusted hosts) or run with "
-        "OTEL_PYTHON_DISTRO=otel_session",
+        "otel-session: the global propagator includes the stock %s propagator(s) (from OTEL_PROPAGATORS "
+        "or propagate.set_global_textmap), which send %s to every host through clients otel-session does "
+        "not instrument; set OTEL_PROPAGATORS=dynamo_session (it sends traceparent and baggage itself, "
+        "only to routers and trusted hosts), run with OTEL_PYTHON_DISTRO=otel_session, and do not replace "
+        "the global propagator after configure()",
         " and ".join(leaks),
         " and ".join(_SENDS[name] for name in leaks),
     )
+
+
+def check_global() -> None:
+    """``warn_stock_leaks`` if the global propagator changed since it was last checked: the app may
+    replace it after ``configure()`` (``propagate.set_global_textmap``), and then ours never runs."""
+    if _leaks_checked is not propagate.get_global_textmap():
+        warn_stock_leaks()
 
 
 def is_sole_global() -> bool:
@@ -150,9 +157,22 @@ def extract_session(carrier: Any, context: Context | None, getter: Getter[Any] =
         return with_session(session, _first_valid(getter, carrier, PARENT_SESSION_HEADER), ctx)
     in_baggage = baggage.get_all(ctx)
     if SESSION_KEY in in_baggage or PARENT_KEY in in_baggage:
-        valid, parent = session_ids(ctx)
-        if valid is None:
-            ctx = baggage.remove_baggage(PARENT_KEY, baggage.remove_baggage(SESSION_KEY, ctx))
-        else:
-            ctx = with_session(valid, parent, ctx)
+        # Read from the header itself: the stock extractor keeps a member's properties in its value
+        # (``session.id=V;ttl=60`` would become the session "V;ttl=60"), W3C says the value is V.
+        ours = _our_members(raw or [])
+        session, parent = ours.get(SESSION_KEY), ours.get(PARENT_KEY)
+        ctx = baggage.remove_baggage(PARENT_KEY, baggage.remove_baggage(SESSION_KEY, ctx))
+        if is_valid_session_id(session):
+            ctx = with_session(session, parent if is_valid_session_id(parent) else None, ctx)  # type: ignore[arg-type]
     return ctx
+
+
+def _our_members(headers: list[str]) -> dict[str, str]:
+    """Our keys' values in ``baggage`` headers, decoded and without properties; the last one wins,
+    as in the stock extractor."""
+    found = {}
+    for header in headers:
+        for key, value, _ in _w3c.decoded_members(header):
+            if key in (SESSION_KEY, PARENT_KEY):
+                found[key] = value
+    return found

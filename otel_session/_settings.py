@@ -137,7 +137,7 @@ class _Reader:
             try:
                 found.append(HostPattern.parse(item))
             except (TypeError, ValueError) as exc:
-                message = str(exc) if value is not None else f"{env}: {exc}"
+                message = f"{argument if value is not None else env}: {exc}"
                 if value is not None:
                     raise SettingError(argument, message) from None
                 self._fail(env, message, "that entry is left out")
@@ -163,12 +163,23 @@ class _Reader:
         for profile_name, patterns in routers.items():
             try:
                 profile = profile_named(profile_name)
-                routes.extend((profile, pattern) for pattern in parse_patterns(patterns))
             except (TypeError, ValueError) as exc:
-                message = f"{ENV_ROUTERS}: {exc}" if name == ENV_ROUTERS else str(exc)
                 if name != ENV_ROUTERS:
-                    raise SettingError(name, message) from None
-                self._fail(name, message, f"router {profile_name!r} is not configured")
+                    raise SettingError(name, f"routers: {exc}") from None
+                self._fail(name, f"{ENV_ROUTERS}: {exc}", f"router {profile_name!r} is not configured")
+                continue
+            if name != ENV_ROUTERS:
+                try:
+                    routes.extend((profile, pattern) for pattern in parse_patterns(patterns))
+                except (TypeError, ValueError) as exc:
+                    raise SettingError(name, f"routers[{profile_name!r}]: {exc}") from None
+                continue
+            for item in self._items(patterns, name):  # a variable: each bad pattern left out alone
+                try:
+                    routes.append((profile, HostPattern.parse(item)))
+                except (TypeError, ValueError) as exc:
+                    hint = " (separate routers with ';')" if "=" in item else ""
+                    self._fail(name, f"{ENV_ROUTERS}: {profile_name}: {exc}{hint}", "that entry is left out")
         return routes
 
     def flag(

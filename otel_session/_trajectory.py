@@ -28,7 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _session_end, _tracing
+from otel_session import _hop, _propagator, _session_end, _settings, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -36,7 +36,25 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _DESCRIPTORS = (classmethod, staticmethod, property)
 
 
-class trajectory:
+class _TrajectoryType(type):
+    """``with otel_session.trajectory:`` (no parentheses) gets an error that says what to write."""
+
+    def __enter__(cls) -> None:
+        raise TypeError("write `with otel_session.trajectory():`, with parentheses: each is one attempt")
+
+    def __exit__(cls, *exc_info: object) -> None:  # never reached: __enter__ raised
+        return None
+
+    async def __aenter__(cls) -> None:
+        raise TypeError(
+            "write `async with otel_session.trajectory():`, with parentheses: each call is one attempt"
+        )
+
+    async def __aexit__(cls, *exc_info: object) -> None:
+        return None
+
+
+class trajectory(metaclass=_TrajectoryType):
     """Run one trajectory attempt under its own Dynamo session.
 
     Each entry is a new attempt with a fresh UUID4, unless ``session_id`` adopts an existing stable
@@ -45,9 +63,11 @@ class trajectory:
     parentheses, every call of the function is a new attempt.
     """
 
-    def __new__(cls, session_id: Any = None, **kwargs: Any) -> Any:
-        if not isinstance(session_id, str) and (callable(session_id) or isinstance(session_id, _DESCRIPTORS)):
-            return cls()(session_id)  # ``@trajectory`` without parentheses
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs:  # ``@trajectory`` without parentheses: the function alone
+            (func,) = args
+            if not isinstance(func, str) and (callable(func) or isinstance(func, _DESCRIPTORS)):
+                return cls()(func)
         return object.__new__(cls)
 
     def __init__(
@@ -93,6 +113,10 @@ class trajectory:
         """Start the attempt: its session, span and context, not attached yet."""
         if self._context is not None:
             raise RuntimeError("this trajectory is already running; open a new otel_session.trajectory()")
+        if _settings.current is None:
+            _hop.unconfigured()
+        else:
+            _propagator.check_global()
         current = otel_context.get_current()
         parent, grandparent = session_ids(current)
         session = self._adopted if self._adopted is not None else new_session_id()
@@ -182,7 +206,7 @@ class trajectory:
 
             @functools.wraps(func)
             async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
-                async for item in _async_generator_in(_starter(self, func, args, kwargs)):
+                async for item in async_generator_in(_starter(self, func, args, kwargs)):
                     yield item
 
             return cast(_F, run_async_generator)
@@ -190,14 +214,14 @@ class trajectory:
 
             @functools.wraps(func)
             def run_generator(*args: Any, **kwargs: Any) -> Any:
-                return (yield from _generator_in(_starter(self, func, args, kwargs)))
+                return (yield from generator_in(_starter(self, func, args, kwargs)))
 
             return cast(_F, run_generator)
         if _is_async_callable(func):
 
             @functools.wraps(func)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                return await _awaited_in(_starter(self, func, args, kwargs))
+                return await awaited_in(_starter(self, func, args, kwargs))
 
             return cast(_F, run_async)
 
@@ -216,16 +240,18 @@ def _is_async_callable(func: object) -> bool:
     )
 
 
-Started = tuple[trajectory, Context, Any]  # (the attempt, its context, what calling the function gave)
+# (the attempt, or None where there is none to end; its context; what calling the function gave)
+Started = tuple["trajectory | None", Context, Any]
+_Begun = tuple["trajectory", Context, Any]
 
 
 def _starter(
     template: trajectory, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Callable[[], Started]:
+) -> Callable[[], _Begun]:
     """Starts a new attempt of ``template`` and calls ``func`` in it, when the result is first used:
     a coroutine never awaited, or a generator never iterated, starts no attempt at all."""
 
-    def start() -> Started:
+    def start() -> _Begun:
         attempt = template._fresh()
         ctx = attempt._begin()
         return attempt, ctx, _call_in(attempt, ctx, func, args, kwargs)
@@ -242,18 +268,18 @@ def as_attempt(
     coroutine or a generator, the attempt starts when that is first awaited or iterated."""
     start = _starter(template, func, args, kwargs)
     if _is_async_callable(func):
-        return _awaited_in(start)
+        return awaited_in(start)
     if inspect.isasyncgenfunction(func):
-        return _async_generator_in(start)
+        return async_generator_in(start)
     if inspect.isgeneratorfunction(func):
-        return _generator_in(start)
+        return generator_in(start)
     attempt, ctx, result = start()
     if inspect.iscoroutine(result):
-        return _awaited_in(lambda: (attempt, ctx, result))
+        return awaited_in(lambda: (attempt, ctx, result))
     if inspect.isgenerator(result):
-        return _generator_in(lambda: (attempt, ctx, result))
+        return generator_in(lambda: (attempt, ctx, result))
     if inspect.isasyncgen(result):
-        return _async_generator_in(lambda: (attempt, ctx, result))
+        return async_generator_in(lambda: (attempt, ctx, result))
     attempt._end(None)
     return result
 
@@ -271,8 +297,8 @@ def _call_in(attempt: trajectory, ctx: Context, func: Callable[..., Any], args: 
     return result
 
 
-async def _awaited_in(start: Callable[[], Started]) -> Any:
-    """Await what ``start`` gives, with its context attached, as the rest of the attempt."""
+async def awaited_in(start: Callable[[], Started]) -> Any:
+    """Await what ``start`` gives, with its context attached, as the rest of the attempt (if any)."""
     attempt, ctx, awaitable = start()
     failure: BaseException | None = None
     token = otel_context.attach(ctx)
@@ -283,12 +309,13 @@ async def _awaited_in(start: Callable[[], Started]) -> Any:
         raise
     finally:
         otel_context.detach(token)
-        await attempt._end_async(failure)
+        if attempt is not None:
+            await attempt._end_async(failure)
 
 
-def _generator_in(start: Callable[[], Started]) -> Generator[Any, Any, Any]:
-    """Iterate the generator ``start`` gives as the rest of the attempt, its context attached only
-    while the generator's code runs."""
+def generator_in(start: Callable[[], Started]) -> Generator[Any, Any, Any]:
+    """Iterate the generator ``start`` gives as the rest of the attempt (if any), its context attached
+    only while the generator's code runs."""
     attempt, ctx, generator = start()
     failure: BaseException | None = None
     step: Callable[[Any], Any] = generator.send
@@ -319,11 +346,12 @@ def _generator_in(start: Callable[[], Started]) -> Generator[Any, Any, Any]:
         failure = exc
         raise
     finally:
-        attempt._end(failure)
+        if attempt is not None:
+            attempt._end(failure)
 
 
-async def _async_generator_in(start: Callable[[], Started]) -> AsyncGenerator[Any, Any]:
-    """``_generator_in`` for an async generator."""
+async def async_generator_in(start: Callable[[], Started]) -> AsyncGenerator[Any, Any]:
+    """``generator_in`` for an async generator."""
     attempt, ctx, generator = start()
     failure: BaseException | None = None
     step: Callable[[Any], Awaitable[Any]] = generator.asend
@@ -354,7 +382,8 @@ async def _async_generator_in(start: Callable[[], Started]) -> AsyncGenerator[An
         failure = exc
         raise
     finally:
-        await attempt._end_async(failure)
+        if attempt is not None:
+            await attempt._end_async(failure)
 
 
 def _record_failure(span: Span, exc: BaseException) -> None:

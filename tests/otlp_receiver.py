@@ -233,8 +233,6 @@ _COMPLETION = {
     "object": "chat.completion",
     "created": 0,
     "model": "test-model",
-    "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-    ],
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
 }

@@ -213,3 +213,98 @@ def test_ray_async_actor_and_task_carry_the_trajectory(ray_local: Any, dynamo: R
     assert without is None
     assert _sessions(dynamo, "/no-carrier") == [None]
     ray_local.kill(worker)
+
+
+@pytest.mark.usefixtures("configured")
+def test_bind_keeps_the_session_for_coroutines_and_generators_run_elsewhere(dynamo: Recorder) -> None:
+    """A bound coroutine function awaited on another thread's own loop, and bound generators iterated
+    there, run with the trajectory's session; the thread's own code between items does not."""
+
+    async def turn(path: str) -> str | None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await client.post(f"{dynamo.url}{path}")
+        return otel_session.current_session_id()
+
+    def turns() -> Iterator[str | None]:
+        for index in range(2):
+            yield _call(f"{dynamo.url}/gen/{index}")
+
+    async def aturns() -> Any:
+        for index in range(2):
+            yield await turn(f"/agen/{index}")
+
+    with otel_session.trajectory() as traj:
+        bound_turn, bound_turns, bound_aturns = (otel_session.bind(f) for f in (turn, turns, aturns))
+    seen: dict[str, Any] = {}
+
+    def elsewhere() -> None:
+        seen["coroutine"] = asyncio.run(bound_turn("/coroutine"))
+        seen["generator"] = []
+        for item in bound_turns():
+            seen["generator"].append(item)
+            seen["between"] = otel_session.current_session_id()
+
+        async def drain() -> list[Any]:
+            return [item async for item in bound_aturns()]
+
+        seen["async generator"] = asyncio.run(drain())
+        seen["after"] = _call(f"{dynamo.url}/after")
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen["coroutine"] == traj.session_id
+    assert seen["generator"] == seen["async generator"] == [traj.session_id] * 2
+    assert seen["between"] is None and seen["after"] is None
+    assert _sessions(dynamo, "/coroutine") == [traj.session_id]
+    assert _sessions(dynamo, "/gen/") == _sessions(dynamo, "/agen/") == [traj.session_id] * 2
+    assert _sessions(dynamo, "/after") == [None]
+    assert asyncio.iscoroutinefunction(bound_turn)
+
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.mark.usefixtures("configured")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"traceparent": TRACEPARENT.encode()},
+        {"traceparent": 7},
+        {"traceparent": [TRACEPARENT]},
+        {"traceparent": TRACEPARENT, "tracestate": 5},
+        {"traceparent": TRACEPARENT, 3: "x"},
+    ],
+    ids=["bytes", "int", "list", "bad-tracestate", "non-str-key"],
+)
+def test_a_carrier_with_an_unreadable_trace_parent_still_continues_the_session(
+    dynamo: Recorder, extra: dict[Any, Any]
+) -> None:
+    carrier = {"session.id": "sess-carried", **extra}
+    with otel_session.resume(carrier) as session:
+        assert session == "sess-carried"
+        _call(f"{dynamo.url}/carried")
+    assert _sessions(dynamo, "/carried") == ["sess-carried"]
+
+
+def test_a_trajectory_or_resume_where_nothing_is_configured_says_so_once(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from otel_session import _hop
+
+    monkeypatch.setattr(_hop, "unconfigured_untold", True)
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", dynamo.authority)  # set, but nothing read it
+    with caplog.at_level("WARNING", logger="otel_session"):
+        with otel_session.trajectory():
+            _call(f"{dynamo.url}/unconfigured")
+        with otel_session.trajectory(), otel_session.resume({"session.id": "s-1"}):
+            pass
+    told = [r.getMessage() for r in caplog.records if "not configured in this process" in r.getMessage()]
+    assert len(told) == 1 and "OTEL_SESSION_AUTO=true" in told[0]
+    assert _sessions(dynamo, "/unconfigured") == [None]
+    caplog.clear()
+    monkeypatch.setattr(_hop, "unconfigured_untold", True)
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    with caplog.at_level("WARNING", logger="otel_session"), otel_session.trajectory():
+        pass
+    assert not [r for r in caplog.records if "not configured" in r.getMessage()]

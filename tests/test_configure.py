@@ -141,3 +141,89 @@ def test_the_callers_request_object_is_left_unchanged(dynamo: Recorder) -> None:
     assert dynamo.requests[-1].get(SESSION_HEADER) == traj.session_id
     assert SESSION_HEADER not in request.headers
     assert SESSION_HEADER not in response.request.headers
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("127.0.0.0/8", "network range"),
+        ("10.0.0.0/24", "network range"),
+        ("http//127.0.0.1:18101", "needs '://'"),
+        ("http:/127.0.0.1:18101", "needs '://'"),
+        ("https:dynamo", "needs '://'"),
+    ],
+)
+def test_a_pattern_that_would_be_read_as_another_host_is_refused(bad: str, says: str) -> None:
+    with pytest.raises(SettingError, match=f"dynamo_hosts: host pattern {bad!r}: .*{says}"):
+        otel_session.configure(dynamo_hosts=[bad])
+
+
+def test_configure_errors_name_the_argument() -> None:
+    with pytest.raises(SettingError, match=r"^dynamo_hosts: host pattern must be a str, not int"):
+        otel_session.configure(dynamo_hosts=[18101])  # type: ignore[list-item]
+    with pytest.raises(SettingError, match=r"^trusted_hosts: host pattern 'bad host'"):
+        otel_session.configure(trusted_hosts=["bad host"])
+    with pytest.raises(SettingError, match=r"^routers\['vllm-router'\]: host pattern 'bad host'"):
+        otel_session.configure(routers={"vllm-router": ["ok:1", "bad host"]})
+
+
+def test_the_settings_show_each_pattern_as_it_was_read() -> None:
+    settings = otel_session.configure(
+        dynamo_hosts=["127.0.0.1:18080/v1", "https://Dyn.Internal/v1", "[::1]:8000"],
+        trusted_hosts=["*.gym.corp"],
+        routers={"vllm-router": "vr:30000"},
+    )
+    shown = repr(settings)
+    for text in (
+        "127.0.0.1:18080",
+        "https://dyn.internal:443",
+        "[::1]:8000",
+        "*.gym.corp",
+        "vllm-router=[vr:30000]",
+    ):
+        assert text in shown
+    assert "object at 0x" not in shown
+
+
+def test_an_environment_router_entry_keeps_its_good_patterns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otel_session import _settings
+
+    monkeypatch.setenv("OTEL_SESSION_ROUTERS", "vllm-router=127.0.0.1:18102,smg=127.0.0.1:9")
+    settings, warnings = _settings.build(lenient=True)
+    assert settings.rules.route("http", "127.0.0.1", 18102).profile is not None
+    assert settings.rules.route("http", "127.0.0.1", 9).profile is None
+    [warning] = warnings
+    assert "'smg=127.0.0.1:9'" in warning and "separate routers with ';'" in warning
+
+
+def test_add_dynamo_hosts_hands_children_every_dynamo_host_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_SESSION_DYNAMO_HOSTS", raising=False)
+    otel_session.configure(dynamo_hosts=["127.0.0.1:18101", "https://dyn:8443"], trusted_hosts=["gym:1"])
+    entries = otel_session.add_dynamo_hosts("127.0.0.1:18102")
+    assert sorted(entries) == ["127.0.0.1:18101", "127.0.0.1:18102", "https://dyn:8443"]
+    assert otel_session.add_dynamo_hosts("127.0.0.1:18102", "127.0.0.1:18101") == entries  # no repeats
+    import os
+
+    from otel_session import _settings
+
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", os.environ["OTEL_SESSION_DYNAMO_HOSTS"])
+    child, _ = _settings.build(lenient=True)  # what a child process reads
+    for port in (18101, 18102):
+        assert child.rules.route("http", "127.0.0.1", port).profile is not None
+    assert child.rules.route("https", "dyn", 8443).profile is not None
+
+
+def test_zero_code_with_every_host_refused_says_so_not_that_none_was_set(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otel_session import _environment
+
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "bad host")
+    with caplog.at_level("WARNING", logger="otel_session"):
+        _environment.configure_from_environment()
+    lines = [record.getMessage() for record in caplog.records]
+    assert any("'bad host'" in line for line in lines)
+    assert any("no router or trusted host is left" in line for line in lines)
+    assert not any("pass dynamo_hosts" in line for line in lines)

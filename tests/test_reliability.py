@@ -11,6 +11,7 @@ import http.server
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socketserver
 import subprocess
@@ -243,8 +244,63 @@ def test_stock_propagators_loaded_only_from_the_list_are_warned_about_once(
     script = textwrap.dedent(STOCK_SCRIPT.format(url=other.url))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
-    warnings = [line for line in done.stderr.splitlines() if "OTEL_PROPAGATORS includes the stock" in line]
+    warnings = [line for line in done.stderr.splitlines() if "includes the stock" in line]
     assert len(warnings) == 1 and "OTEL_PROPAGATORS=dynamo_session" in warnings[0]
+
+
+def test_an_app_that_replaces_the_global_propagator_after_configure_is_warned_once(
+    other: Recorder, dynamo: Recorder
+) -> None:
+    """The app's own bootstrap, after configure(), installs the stock propagators and instruments a
+    client of its own: ours no longer runs at all, so the next trajectory says so, once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    script = textwrap.dedent(
+        """
+        import httpx, otel_session
+        from opentelemetry import propagate
+        from opentelemetry.baggage.propagation import W3CBaggagePropagator
+        from opentelemetry.propagators.composite import CompositePropagator
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+        otel_session.configure(dynamo_hosts=["{dynamo}"])
+        with otel_session.trajectory():
+            httpx.get("{other}/before")
+        propagate.set_global_textmap(
+            CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+        )
+        HTTPXClientInstrumentor().instrument()
+        for _ in range(3):
+            with otel_session.trajectory():
+                httpx.get("{dynamo}/x")
+        """
+    ).format(other=other.url, dynamo=dynamo.url)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if "includes the stock" in line]
+    assert len(warnings) == 1 and "set_global_textmap" in warnings[0]
+    assert other.requests[0].get("baggage") is None  # before the app replaced it: nothing
+    assert all(seen.get(SESSION_HEADER) for seen in dynamo.requests)
+
+
+def test_the_opentelemetry_instrument_launcher_is_not_configured_too(dynamo: Recorder) -> None:
+    """OTEL_SESSION_AUTO with opentelemetry-instrument: the launcher's own interpreter starts only the
+    program, so each bad variable is one warning, not one from each of the two processes."""
+    launcher = shutil.which("opentelemetry-instrument", path=os.path.dirname(sys.executable))
+    assert launcher is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        OTEL_SESSION_AUTO="true",
+        OTEL_PYTHON_DISTRO="otel_session",
+        OTEL_SESSION_DYNAMO_HOSTS=f"bad host,{dynamo.authority}",
+        OTEL_SESSION_ADOPT="junk",
+    )
+    done = subprocess.run(
+        [launcher, sys.executable, "-c", "print('ran')"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ran", done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("otel-session:")]
+    assert sum("'bad host'" in line for line in lines) == 1, lines
+    assert sum("OTEL_SESSION_ADOPT" in line for line in lines) == 1, lines
 
 
 @pytest.mark.parametrize(
@@ -274,7 +330,7 @@ def test_stock_copies_are_taken_back_where_our_hooks_run_in_either_order(
     assert done.returncode == 0, done.stderr
     assert other.requests and other.requests[0].get("baggage") is None
     assert dynamo.requests[0].get(SESSION_HEADER)
-    assert sum("OTEL_PROPAGATORS includes the stock" in line for line in done.stderr.splitlines()) == 1
+    assert sum("includes the stock" in line for line in done.stderr.splitlines()) == 1
 
 
 @pytest.mark.timeout(60)

@@ -220,6 +220,27 @@ async def test_streamed_response_body_keeps_the_session(server: AsgiServer, dyna
     assert [_one(dynamo, f"chunk-{i}").get(SESSION) for i in range(3)] == [traj.session_id] * 3
 
 
+PROPERTIES = {
+    "ttl": "session.id=sess-1;ttl=60",
+    "spaces": "session.id = sess-1 ; ttl=60 ; flag",
+    "parent-too": "session.id=sess-1;a=b,session.parent_id=root-1;c",
+    "encoded-key": "session%2Eid=sess-1;x",
+}
+
+
+@pytest.mark.parametrize("baggage", PROPERTIES.values(), ids=PROPERTIES.keys())
+async def test_a_baggage_members_properties_are_not_its_value(
+    server: AsgiServer, dynamo: Recorder, baggage: str
+) -> None:
+    """W3C baggage ``session.id=V;ttl=60`` names the session V; ``;ttl=60`` is a property of the member."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply = await client.post(f"{server.url}/forward/props", headers={"baggage": baggage})
+    assert reply.json()["session"] == "sess-1"
+    seen = _one(dynamo, "props")
+    assert seen.get(SESSION) == "sess-1"
+    assert seen.get(PARENT) == ("root-1" if "parent" in baggage else None)
+
+
 _HALF = ",".join(f"k{i}=v" for i in range(800))  # two of these: > 8192 bytes, each under servers' line limit
 BAD_INCOMING: dict[str, list[tuple[str, str]]] = {
     "too-long": [(SESSION, "x" * 257)],

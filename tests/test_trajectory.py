@@ -268,3 +268,22 @@ def test_the_span_is_non_recording_while_tracing_is_off() -> None:
     with otel_session.trajectory() as traj:
         assert not traj.span.is_recording()
         assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_a_callable_given_as_session_id_is_refused_by_name() -> None:
+    for wrong in (uuid.uuid4, str, lambda: "id"):
+        with pytest.raises(TypeError, match="session_id must be a str"):
+            otel_session.trajectory(session_id=wrong)  # type: ignore[arg-type]
+
+
+def test_the_bare_name_as_a_context_manager_says_to_add_parentheses() -> None:
+    with pytest.raises(TypeError, match=r"with otel_session\.trajectory\(\):"), otel_session.trajectory:  # type: ignore[attr-defined]
+        pass
+
+    async def use() -> None:
+        async with otel_session.trajectory:  # type: ignore[attr-defined]
+            pass
+
+    with pytest.raises(TypeError, match=r"async with otel_session\.trajectory\(\):"):
+        asyncio.run(use())
+    assert otel_session.current_session_id() is None
