@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from otel_session._context import (
     with_session,
 )
 from otel_session._ids import is_valid_session_id
-from otel_session._trajectory import Started, async_generator_in, awaited_in, generator_in
+from otel_session._trajectory import keeping_kind
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -51,44 +50,18 @@ def bind(func: Callable[_P, _R]) -> Callable[_P, _R]:
     runs: awaited or iterated later, on another thread or loop, as ``trajectory()`` does for them.
     """
     captured = contextvars.copy_context()
-    if not (
-        inspect.iscoroutinefunction(func)
-        or inspect.isgeneratorfunction(func)
-        or inspect.isasyncgenfunction(func)
-    ):
-
-        @functools.wraps(func)
-        def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            return captured.copy().run(func, *args, **kwargs)
-
-        return run
     ctx = otel_context.get_current()
-
-    def start(args: Any, kwargs: Any) -> Callable[[], Started]:
-        return lambda: (None, ctx, captured.copy().run(func, *args, **kwargs))
-
-    if inspect.iscoroutinefunction(func):
-
-        @functools.wraps(func)
-        async def run_async(*args: Any, **kwargs: Any) -> Any:
-            return await awaited_in(start(args, kwargs))
-
-        return cast(Callable[_P, _R], run_async)
-    if inspect.isasyncgenfunction(func):
-        # Not ``async_generator_in`` itself: calling ``run_async_generator`` must give an async
-        # generator, so frameworks that inspect it see what they were given.
-        @functools.wraps(func)
-        async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
-            async for item in async_generator_in(start(args, kwargs)):
-                yield item
-
-        return cast(Callable[_P, _R], run_async_generator)
+    kept = keeping_kind(
+        func, lambda args, kwargs: lambda: (None, ctx, captured.copy().run(func, *args, **kwargs))
+    )
+    if kept is not None:
+        return cast(Callable[_P, _R], kept)
 
     @functools.wraps(func)
-    def run_generator(*args: Any, **kwargs: Any) -> Any:
-        return (yield from generator_in(start(args, kwargs)))
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return captured.copy().run(func, *args, **kwargs)
 
-    return cast(Callable[_P, _R], run_generator)
+    return run
 
 
 def session_carrier() -> dict[str, str]:

@@ -2,92 +2,32 @@
 does globally.
 
 Settings are built completely before anything changes, so a bad one raises with the previous
-configuration still in force. The instrumentors are found as ``opentelemetry-instrument`` finds them,
-through the ``opentelemetry_instrumentor`` entry points (ours are those whose module is in this
-package), so the set is written once, in ``pyproject.toml``. Warnings are logged after the lock is
-released: an application's log handler may call back into us.
+configuration still in force; the instrumentors they ask for come from ``_registry``. Warnings are
+logged after the lock is released: an application's log handler may call back into us.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry import propagate
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _faults, _settings, _tracing
+from otel_session import _faults, _registry, _settings, _tracing
 from otel_session._hosts import HostPattern
-from otel_session._propagator import SessionPropagator, warn_stock_leaks
+from otel_session._propagator import SessionPropagator
 from otel_session._routers import DYNAMO
 from otel_session._settings import Settings
-
-ENV_DISABLED_INSTRUMENTATIONS = "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"
-ENTRY_POINT_GROUP = "opentelemetry_instrumentor"
-_PACKAGE = "otel_session."
+from otel_session._stock import warn_stock_leaks
 
 # Re-entrant: a signal handler may call unconfigure() while configure() runs on the same thread.
 _lock = threading.RLock()
 _previous_textmap: TextMapPropagator | None = None
-_instrumentors: dict[str, Any] | None = None  # entry point name -> instrumentor class, found once
-
-
-def instrumentors() -> dict[str, Any]:
-    """Our instrumentor classes by entry point name, as registered in ``pyproject.toml``."""
-    global _instrumentors
-    if _instrumentors is None:
-        found: dict[str, Any] = {}
-        for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if entry_point.value.startswith(_PACKAGE) and entry_point.name not in found:
-                try:
-                    found[entry_point.name] = entry_point.load()
-                except Exception as exc:  # one broken instrumentor must not take the others down
-                    _faults.report(f"loading the {entry_point.name} instrumentor", exc)
-        if not found:
-            _faults.warn(
-                "otel-session: no instrumentors of ours are registered, so no request will carry a "
-                "session: install the package (pip install .) rather than putting it on the path"
-            )
-        _instrumentors = found
-    return _instrumentors
-
-
-def disabled() -> set[str]:
-    """``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` as upstream's loader reads it (``*``: all)."""
-    return {
-        name.strip() for name in os.environ.get(ENV_DISABLED_INSTRUMENTATIONS, "").split(",") if name.strip()
-    }
-
-
-def _wanted(settings: Settings) -> list[str]:
-    """The instrumentors ``settings`` ask for that are installed and not disabled."""
-    off = disabled()
-    if "*" in off:
-        return []
-    switch = {"client": True, "server": settings.servers, "boundary": True}
-    return [
-        name
-        for name, kind in instrumentors().items()
-        if name not in off and switch.get(kind.kind, False) and kind.installed()
-    ]
-
-
-def upstream_client_instrumentors() -> list[tuple[str, str]]:
-    """(module, class) of the upstream instrumentations that record client spans while tracing is
-    on, one per client instrumentor of ours that is not disabled."""
-    off = disabled()
-    if "*" in off:
-        return []
-    return [
-        kind.upstream
-        for name, kind in instrumentors().items()
-        if kind.upstream is not None and name not in off and not off & set(kind.replaces) and kind.installed()
-    ]
+_told: set[str] = set()  # warnings logged since the last unconfigure()
 
 
 def configure(
@@ -122,68 +62,72 @@ def configure(
 
 def install(settings: Settings, warnings: list[str] | None = None) -> None:
     """Put ``settings`` in force with everything they ask for; on failure (tracing that cannot
-    start) the previous configuration stays in force. Warnings are logged once the lock is released."""
-    with _faults.deferred():
-        for warning in warnings or []:
-            _faults.warn("%s", warning)
-        hosts_refused = any(
-            f"otel-session: {name}:" in warning
-            for warning in warnings or []
-            for name in (_settings.ENV_DYNAMO_HOSTS, _settings.ENV_TRUSTED_HOSTS, _settings.ENV_ROUTERS)
+    start) the previous configuration stays in force. Warnings are logged once the lock is released,
+    each once until ``unconfigure()``."""
+    warnings = list(warnings or [])
+    hosts_refused = any(
+        f"otel-session: {name}:" in warning
+        for warning in warnings
+        for name in (_settings.ENV_DYNAMO_HOSTS, _settings.ENV_TRUSTED_HOSTS, _settings.ENV_ROUTERS)
+    )
+    if not settings.rules and hosts_refused:
+        warnings.append(
+            "otel-session: no router or trusted host is left once the entries above are left out, so no "
+            "request will carry a session"
         )
-        if not settings.rules and hosts_refused:
-            _faults.warn(
-                "otel-session: no router or trusted host is left once the entries above are left out, so "
-                "no request will carry a session"
-            )
-        elif not settings.rules:
-            _faults.warn(
-                "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
-                "pass dynamo_hosts=[...] or set %s (or %s)",
-                _settings.ENV_DYNAMO_HOSTS,
-                _settings.ENV_ROUTERS,
-            )
+    elif not settings.rules:
+        warnings.append(
+            "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
+            f"pass dynamo_hosts=[...] or set {_settings.ENV_DYNAMO_HOSTS} (or {_settings.ENV_ROUTERS})"
+        )
+    with _faults.deferred():
+        _warn_new(warnings)
         with _lock:
             _install(settings)
+
+
+def _warn_new(warnings: list[str]) -> None:
+    """Log each warning not logged since the last ``unconfigure()``: configuring again from the same
+    variables (interpreter start, then the application) says nothing new."""
+    for warning in warnings:
+        if warning not in _told:
+            _told.add(warning)
+            _faults.warn("%s", warning)
 
 
 def _install(settings: Settings) -> None:
     global _previous_textmap
     previous = _settings.current
     _settings.set_active(settings)  # first: the instrumentors must see a configuration
-    wanted = _wanted(settings)
+    wanted = _registry.wanted(settings)
     # Ours before upstream's: upstream's uninstrument takes off whatever wrapper is on top, so its
     # wrappers must sit above ours. A missing SDK or bad exporter variable undoes all of this.
     for name in wanted:  # instrumented while its switch was off, or for other names: again
-        instrumentor = _instrumentor(name)
+        instrumentor = _registry.instrumentor(name)
         if instrumentor.is_instrumented_by_opentelemetry and (
             not instrumentor.active or instrumentor.kind == "boundary"
         ):
             instrumentor.uninstrument()
-    fresh = [name for name in wanted if not _instrumentor(name).is_instrumented_by_opentelemetry]
+    fresh = [name for name in wanted if not _registry.instrumentor(name).is_instrumented_by_opentelemetry]
     for name in fresh:
-        _instrumentor(name).instrument()
+        _registry.instrumentor(name).instrument()
     try:
-        _tracing.apply(settings.tracing, upstream_client_instrumentors())
+        _tracing.apply(settings.tracing, _registry.upstream_client_instrumentors())
     except Exception:
         _settings.set_active(previous)
         for name in fresh:  # only what this call instrumented: uninstrumenting the rest would warn
-            _instrumentor(name).uninstrument()
-        for name in _wanted(previous) if previous is not None else []:  # the boundaries it had
-            if not _instrumentor(name).is_instrumented_by_opentelemetry:
-                _instrumentor(name).instrument()
+            _registry.instrumentor(name).uninstrument()
+        for name in _registry.wanted(previous) if previous is not None else []:  # the boundaries it had
+            if not _registry.instrumentor(name).is_instrumented_by_opentelemetry:
+                _registry.instrumentor(name).instrument()
         raise
-    for name in instrumentors():
-        if name not in wanted and _instrumentor(name).is_instrumented_by_opentelemetry:
-            _instrumentor(name).uninstrument()
+    for name in _registry.instrumentors():
+        if name not in wanted and _registry.instrumentor(name).is_instrumented_by_opentelemetry:
+            _registry.instrumentor(name).uninstrument()
     current = propagate.get_global_textmap()
     if not isinstance(current, SessionPropagator):
         _previous_textmap = current
         propagate.set_global_textmap(SessionPropagator())
-
-
-def _instrumentor(name: str) -> Any:
-    return instrumentors()[name]()
 
 
 def unconfigure() -> None:
@@ -194,9 +138,10 @@ def unconfigure() -> None:
     global _previous_textmap
     with _faults.deferred(), _lock:
         _settings.set_active(None)
+        _told.clear()
         _tracing.apply(False)
-        for name in instrumentors():
-            instrumentor = _instrumentor(name)
+        for name in _registry.instrumentors():
+            instrumentor = _registry.instrumentor(name)
             if instrumentor.is_instrumented_by_opentelemetry:
                 instrumentor.uninstrument()
         if _previous_textmap is not None:
@@ -265,8 +210,7 @@ def activate_environment() -> None:
     """
     settings, warnings = _settings.build(tracing=False, lenient=True, servers_default=True)
     with _faults.deferred():
-        for warning in warnings:
-            _faults.warn("%s", warning)
+        _warn_new(warnings)
         with _lock:
             if _settings.current is None:
                 _settings.set_active(settings)

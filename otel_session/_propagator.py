@@ -17,7 +17,6 @@ from typing import Any
 from opentelemetry import baggage, propagate
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context, get_current
-from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import (
     CarrierT,
     Getter,
@@ -28,7 +27,7 @@ from opentelemetry.propagators.textmap import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from otel_session import _carriers, _faults, _hop, _w3c
+from otel_session import _carriers, _faults, _hop, _stock, _w3c
 from otel_session._context import HOP_KEY, PARENT_KEY, SESSION_KEY, with_session
 from otel_session._ids import PARENT_SESSION_HEADER, SESSION_HEADER, is_valid_session_id
 from otel_session._policy import names_for, plan
@@ -47,7 +46,7 @@ class SessionPropagator(TextMapPropagator):
         self, carrier: CarrierT, context: Context | None = None, setter: Setter[CarrierT] = default_setter
     ) -> None:
         try:
-            check_global()
+            _stock.check_global()
             ctx = context if context is not None else get_current()
             hop = ctx.get(HOP_KEY)
             if not isinstance(hop, _hop.Hop):
@@ -75,56 +74,6 @@ class SessionPropagator(TextMapPropagator):
     @property
     def fields(self) -> set[str]:
         return {SESSION_HEADER.lower(), PARENT_SESSION_HEADER.lower(), "baggage", *_tracecontext.fields}
-
-
-_STOCK = {"W3CBaggagePropagator": "baggage", "TraceContextTextMapPropagator": "tracecontext"}
-_SENDS = {"baggage": "baggage (session.id)", "tracecontext": "traceparent"}
-
-
-def stock_leaks(propagator: TextMapPropagator) -> list[str]:
-    """The stock propagators in ``propagator`` that send our members or spans to every host.
-
-    A stock ``baggage`` propagator sends ``session.id`` everywhere and ``tracecontext`` sends
-    ``traceparent`` everywhere. Composed with ours, ours takes their copies back on the requests of
-    the clients it instruments, but not on any other client's.
-    """
-    members = list(propagator._propagators) if isinstance(propagator, CompositePropagator) else [propagator]
-    return [_STOCK[type(p).__name__] for p in members if type(p).__name__ in _STOCK]
-
-
-_leak_warned: list[bool] = []
-_leaks_checked: object = None  # the global propagator last checked for stock ones beside ours
-
-
-def warn_stock_leaks(propagator: TextMapPropagator | None = None) -> None:
-    """One warning per process when stock propagators are in force beside ours (``propagator``, by
-    default the global one): on every path that can set them up, ``configure()`` (the propagator it
-    replaces), either distro, and the propagator itself when loaded only from ``OTEL_PROPAGATORS``."""
-    global _leaks_checked
-    if propagator is None:
-        propagator = _leaks_checked = propagate.get_global_textmap()
-    if _leak_warned:
-        return
-    leaks = stock_leaks(propagator)
-    if not leaks:
-        return
-    _leak_warned.append(True)
-    _faults.warn(
-        "otel-session: the global propagator includes the stock %s propagator(s) (from OTEL_PROPAGATORS "
-        "or propagate.set_global_textmap), which send %s to every host through clients otel-session does "
-        "not instrument; set OTEL_PROPAGATORS=dynamo_session (it sends traceparent and baggage itself, "
-        "only to routers and trusted hosts), run with OTEL_PYTHON_DISTRO=otel_session, and do not replace "
-        "the global propagator after configure()",
-        " and ".join(leaks),
-        " and ".join(_SENDS[name] for name in leaks),
-    )
-
-
-def check_global() -> None:
-    """``warn_stock_leaks`` if the global propagator changed since it was last checked: the app may
-    replace it after ``configure()`` (``propagate.set_global_textmap``), and then ours never runs."""
-    if _leaks_checked is not propagate.get_global_textmap():
-        warn_stock_leaks()
 
 
 def is_sole_global() -> bool:

@@ -28,7 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _propagator, _session_end, _settings, _tracing
+from otel_session import _hop, _session_end, _settings, _stock, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -40,18 +40,9 @@ class _TrajectoryType(type):
     """``with otel_session.trajectory:`` (no parentheses) gets an error that says what to write."""
 
     def __enter__(cls) -> None:
-        raise TypeError("write `with otel_session.trajectory():`, with parentheses: each is one attempt")
+        raise TypeError("write `with otel_session.trajectory():` (or `async with`), with parentheses")
 
-    def __exit__(cls, *exc_info: object) -> None:  # never reached: __enter__ raised
-        return None
-
-    async def __aenter__(cls) -> None:
-        raise TypeError(
-            "write `async with otel_session.trajectory():`, with parentheses: each call is one attempt"
-        )
-
-    async def __aexit__(cls, *exc_info: object) -> None:
-        return None
+    __exit__ = __aenter__ = __aexit__ = __enter__  # never reached past __enter__; async with too
 
 
 class trajectory(metaclass=_TrajectoryType):
@@ -116,7 +107,7 @@ class trajectory(metaclass=_TrajectoryType):
         if _settings.current is None:
             _hop.unconfigured()
         else:
-            _propagator.check_global()
+            _stock.check_global()
         current = otel_context.get_current()
         parent, grandparent = session_ids(current)
         session = self._adopted if self._adopted is not None else new_session_id()
@@ -202,34 +193,46 @@ class trajectory(metaclass=_TrajectoryType):
                 f"trajectory() cannot decorate a {'property' if isinstance(func, property) else 'class'}: "
                 "decorate the function or method that runs one attempt"
             )
-        if inspect.isasyncgenfunction(func):
-
-            @functools.wraps(func)
-            async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
-                async for item in async_generator_in(_starter(self, func, args, kwargs)):
-                    yield item
-
-            return cast(_F, run_async_generator)
-        if inspect.isgeneratorfunction(func):
-
-            @functools.wraps(func)
-            def run_generator(*args: Any, **kwargs: Any) -> Any:
-                return (yield from generator_in(_starter(self, func, args, kwargs)))
-
-            return cast(_F, run_generator)
-        if _is_async_callable(func):
-
-            @functools.wraps(func)
-            async def run_async(*args: Any, **kwargs: Any) -> Any:
-                return await awaited_in(_starter(self, func, args, kwargs))
-
-            return cast(_F, run_async)
+        kept = keeping_kind(func, lambda args, kwargs: _starter(self, func, args, kwargs))
+        if kept is not None:
+            return cast(_F, kept)
 
         @functools.wraps(func)
         def run(*args: Any, **kwargs: Any) -> Any:
             return as_attempt(self, func, args, kwargs)
 
         return cast(_F, run)
+
+
+def keeping_kind(
+    func: Callable[..., Any], start: Callable[[tuple[Any, ...], dict[str, Any]], Callable[[], Started]]
+) -> Callable[..., Any] | None:
+    """A wrapper of the same kind as ``func`` (coroutine, generator or async generator function)
+    whose every call runs through ``start`` in its context; ``None`` for any other callable. The kind
+    is kept so that frameworks inspecting the function still see what it is."""
+    if inspect.isasyncgenfunction(func):
+
+        @functools.wraps(func)
+        async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
+            async for item in async_generator_in(start(args, kwargs)):
+                yield item
+
+        return run_async_generator
+    if inspect.isgeneratorfunction(func):
+
+        @functools.wraps(func)
+        def run_generator(*args: Any, **kwargs: Any) -> Any:
+            return (yield from generator_in(start(args, kwargs)))
+
+        return run_generator
+    if _is_async_callable(func):
+
+        @functools.wraps(func)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            return await awaited_in(start(args, kwargs))
+
+        return run_async
+    return None
 
 
 def _is_async_callable(func: object) -> bool:

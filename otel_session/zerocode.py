@@ -26,7 +26,7 @@ from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_CONFIGURATOR
 from opentelemetry.util._importlib_metadata import EntryPoint
 
-from otel_session import _config, _environment, _settings
+from otel_session import _environment, _registry, _settings
 
 ENTRY_POINT_NAME = "otel_session"
 
@@ -43,9 +43,9 @@ class SessionDistro(BaseDistro):  # type: ignore[misc]
             _environment.configure_from_environment()
 
     def load_instrumentor(self, entry_point: EntryPoint, **kwargs: Any) -> None:
-        if entry_point.name in _config.instrumentors():
+        if entry_point.name in _registry.instrumentors():
             return
-        if any(entry_point.name in kind.replaces for kind in _config.instrumentors().values()):
+        if any(entry_point.name in kind.replaces for kind in _registry.instrumentors().values()):
             return
         super().load_instrumentor(entry_point, **kwargs)
 

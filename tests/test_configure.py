@@ -227,3 +227,16 @@ def test_zero_code_with_every_host_refused_says_so_not_that_none_was_set(
     assert any("'bad host'" in line for line in lines)
     assert any("no router or trusted host is left" in line for line in lines)
     assert not any("pass dynamo_hosts" in line for line in lines)
+
+
+def test_configuring_again_from_the_same_variables_says_each_warning_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("OTEL_SESSION_ADOPT", "junk")
+    with caplog.at_level("WARNING", logger="otel_session"):
+        otel_session.configure(dynamo_hosts=["a:1"])
+        otel_session.configure(dynamo_hosts=["a:2"])
+        assert sum("OTEL_SESSION_ADOPT" in r.getMessage() for r in caplog.records) == 1
+        otel_session.unconfigure()
+        otel_session.configure(dynamo_hosts=["a:1"])
+    assert sum("OTEL_SESSION_ADOPT" in r.getMessage() for r in caplog.records) == 2

@@ -18,7 +18,7 @@ import wrapt
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 import otel_session
-from otel_session import SESSION_HEADER, _config
+from otel_session import SESSION_HEADER, _registry
 from otel_session.instrumentation import httpx as httpx_hook
 from tests.recorder import Recorder
 
@@ -44,7 +44,7 @@ def test_each_hook_is_an_instrumentor_entry_point() -> None:
         for ep in entry_points(group="opentelemetry_instrumentor")
         if ep.value.startswith("otel_session.")
     }
-    assert NAMES <= ours == set(_config.instrumentors())  # the one registry: configure() finds them there
+    assert NAMES <= ours == set(_registry.instrumentors())  # the one registry: configure() finds them there
 
 
 def _run(tmp_path: Path, source: str, **env: str) -> dict[str, object]:

@@ -316,9 +316,9 @@ def test_stock_copies_are_taken_back_where_our_hooks_run_in_either_order(
     script = textwrap.dedent(
         """
         import httpx, otel_session
-        from otel_session import _config
+        from otel_session import _registry
         from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
-        for name, kind in _config.instrumentors().items():
+        for name, kind in _registry.instrumentors().items():
             kind().instrument()  # as upstream's loader does with the entry points
         HTTPXClientInstrumentor().instrument()
         with otel_session.trajectory():
