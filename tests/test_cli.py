@@ -16,17 +16,22 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from io import StringIO
 from pathlib import Path
 
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
-from otel_session.dynamo import LocalDynamo, _checks
+from otel_session.dynamo import DynamoInstallError, LocalDynamo, _checks
 from otel_session.dynamo.cli import Progress, Verdict
 from otel_session.dynamo.doctor import diagnose
 from otel_session.dynamo.sizing import sizing_note
 from otel_session.dynamo.workload import Summary
+from tests.loopback import AsgiServer
 
 _BIN = Path(sys.executable).parent / "otel-session"
 CLI = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "otel_session.dynamo.cli"]
@@ -228,15 +233,64 @@ def test_without_the_cli_extra_it_installs_exactly_what_is_missing_and_starts_no
         assert any(r.startswith("openai>=") for r in pip[4:]), pip  # the extra's floor
 
 
-def test_a_dynamo_interpreter_without_dynamo_is_named(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=60
+@pytest.fixture(scope="module")
+def python_without_dynamo(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real interpreter (a bare venv of this one) with no Dynamo installed."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    return str(venv / "bin" / "python")
+
+
+def test_a_dynamo_interpreter_without_dynamo_is_a_bad_variable_exit_2(python_without_dynamo: str) -> None:
+    began = time.monotonic()
+    proc = run_cli(env={"OTEL_SESSION_DYNAMO_PYTHON": python_without_dynamo})
+    assert_one_line(
+        proc, 2, "OTEL_SESSION_DYNAMO_PYTHON: ", python_without_dynamo, "pip install ai-dynamo", "or unset it"
     )
-    python = str(tmp_path / "bare" / "bin" / "python")
+    assert time.monotonic() - began < 20  # nothing was started or installed
+
+
+def _not_executable(tmp_path: Path) -> str:
+    (tmp_path / "python").write_text("")
+    return str(tmp_path / "python")
+
+
+NOT_INTERPRETERS = [
+    (lambda tmp_path: str(tmp_path / "missing"), "no such file"),
+    (lambda tmp_path: str(tmp_path), "a directory"),
+    (_not_executable, "not executable"),
+    (lambda tmp_path: "no-such-python-anywhere", "no such command on PATH"),
+]
+
+
+@pytest.mark.parametrize(("make", "says"), NOT_INTERPRETERS, ids=[s for _, s in NOT_INTERPRETERS])
+def test_a_dynamo_interpreter_that_cannot_run_is_a_bad_variable_exit_2(
+    tmp_path: Path, make: Callable[[Path], str], says: str
+) -> None:
+    python = make(tmp_path)
     proc = run_cli(env={"OTEL_SESSION_DYNAMO_PYTHON": python})
-    assert_one_line(proc, 1, "OTEL_SESSION_DYNAMO_PYTHON", python, "pip install ai-dynamo")
-    proc = run_cli(env={"OTEL_SESSION_DYNAMO_PYTHON": str(tmp_path / "missing")})
-    assert_one_line(proc, 1, "OTEL_SESSION_DYNAMO_PYTHON", "cannot run")
+    line = assert_one_line(proc, 2, "OTEL_SESSION_DYNAMO_PYTHON: ", repr(python), says, "or unset it")
+    assert "Errno" not in line
+
+
+def test_local_dynamo_names_a_bad_interpreter_before_anything_starts(
+    python_without_dynamo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The API refuses what the command refuses, in the same words, under the argument's own name."""
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"^python: .*'/.*missing' \(no such file\); pass another") as api:
+        LocalDynamo(python=missing)
+    line = assert_one_line(run_cli(env={"OTEL_SESSION_DYNAMO_PYTHON": missing}), 2)
+    assert str(api.value).split(": ", 1)[1].split("; ")[0] in line
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_PYTHON", missing)
+    with pytest.raises(ValueError, match=r"^OTEL_SESSION_DYNAMO_PYTHON: .*; point OTEL_SESSION_DYNAMO_"):
+        LocalDynamo()
+    monkeypatch.delenv("OTEL_SESSION_DYNAMO_PYTHON")
+    stack = LocalDynamo(python=python_without_dynamo)
+    refused = rf"^python: {re.escape(python_without_dynamo)} has no Dynamo.*; or pass another"
+    with pytest.raises(DynamoInstallError, match=refused):
+        stack.start()
+    assert stack.pids == [] and stack.run_dir is None and not stack.running
 
 
 # ------------------------------------------------------------------------------------------ the demo
@@ -263,6 +317,7 @@ def test_the_demo_runs_both_arms_and_ends_on_one_verdict_line() -> None:
     proc = run_cli("--prompts", "3", "--siblings", "3", "--turns", "3", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert "outside any trajectory" not in proc.stderr  # the batch without sessions is so on purpose
     assert "with sessions" in proc.stdout and "without (no header)" in proc.stdout
     pinned, total, pinned_without, total_without = map(int, _verdict(proc.stdout).groups())
     assert (pinned, total, total_without) == (9, 9, 9)
@@ -317,6 +372,7 @@ def test_against_a_deployment_that_pins_json_has_both_arms(dynamo_stack: LocalDy
         "--base-url", dynamo_stack.base_url, "--json", "--prompts", "1", "--turns", "2", timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "outside any trajectory" not in proc.stderr  # the batch without sessions is so on purpose
     doc = json.loads(proc.stdout)
     assert doc["model"] == dynamo_stack.model_name and doc["verdict"]["pinned"] is True
     on, off = doc["with_sessions"], doc["without_sessions"]
@@ -348,6 +404,28 @@ def test_a_model_the_deployment_does_not_serve_is_one_line(dynamo_stack: LocalDy
     assert_one_line(proc, 1, "--model 'm'", dynamo_stack.model_name)
 
 
+@pytest.fixture
+def frontend_listing_no_model() -> Iterator[str]:
+    """A loopback frontend up before any worker registered: ``/v1/models`` answers with an empty list."""
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": []})
+
+    with AsgiServer(Starlette(routes=[Route("/v1/models", models)])) as server:
+        yield server.url + "/v1"
+
+
+@pytest.mark.parametrize("model", [["--model", "m"], []], ids=["--model", "default"])
+def test_a_frontend_listing_no_model_yet_is_one_line_saying_so(
+    frontend_listing_no_model: str, model: list[str]
+) -> None:
+    proc = run_cli("--base-url", frontend_listing_no_model, *model)
+    says = f"{frontend_listing_no_model}/models lists no model (yet)"
+    line = assert_one_line(proc, 1, says, "start a worker")
+    assert "it serves" not in line
+    assert ("--model 'm'" in line) == bool(model)
+
+
 def test_dynamo_hosts_from_the_environment_are_kept_and_said_so(dynamo_stack: LocalDynamo) -> None:
     proc = run_cli(
         "--base-url", dynamo_stack.base_url, "--json", "--prompts", "1", "--turns", "2",
@@ -356,6 +434,37 @@ def test_dynamo_hosts_from_the_environment_are_kept_and_said_so(dynamo_stack: Lo
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["verdict"]["pinned"] is True
     assert f"OTEL_SESSION_DYNAMO_HOSTS='garbage' kept; {dynamo_stack.host} added" in proc.stderr
+
+
+BOUNDARY_WARNING = "otel-session: a request to"
+ADOPT_WARNING = "otel-session: OTEL_SESSION_ADOPT='bad' is not understood"
+DOCTOR_AND_RUN = {
+    "doctor": ["doctor", "--requests", "2", "--base-url"],
+    "run": ["--prompts", "1", "--turns", "2", "--quiet", "--base-url"],
+}
+
+
+@pytest.mark.parametrize("command", list(DOCTOR_AND_RUN))
+def test_a_warning_about_a_variable_is_shown_once_per_run(dynamo_stack: LocalDynamo, command: str) -> None:
+    """The command calls configure() for its checks and again for the run: one warning, not two."""
+    proc = run_cli(
+        *DOCTOR_AND_RUN[command], dynamo_stack.base_url, env={"OTEL_SESSION_ADOPT": "bad"}, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.count(ADOPT_WARNING) == 1, proc.stderr
+
+
+def test_doctor_does_not_warn_about_the_requests_it_sends_without_a_session_on_purpose(
+    dynamo_stack: LocalDynamo,
+) -> None:
+    proc = run_cli(
+        "doctor", "--base-url", dynamo_stack.base_url, "--requests", "2",
+        env={"OTEL_SESSION_ADOPT": "bad"}, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Sessions are pinned" in proc.stdout
+    assert BOUNDARY_WARNING not in proc.stderr and "outside any trajectory" not in proc.stderr
+    assert ADOPT_WARNING in proc.stderr  # the library's other warnings still reach the user
 
 
 # ------------------------------------------------------------------------------------------ doctor

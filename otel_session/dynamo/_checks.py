@@ -9,7 +9,9 @@ in Python, ``--router`` on the command line). Nothing here imports Dynamo or sta
 from __future__ import annotations
 
 import errno
+import os
 import re
+import shutil
 import socket
 from urllib.parse import urlsplit
 
@@ -20,6 +22,7 @@ __all__ = [
     "affinity_mode",
     "affinity_ttl",
     "base_url",
+    "interpreter",
     "port",
     "port_unavailable",
     "router_mode",
@@ -79,6 +82,33 @@ def affinity_mode(value: object) -> str:
 def affinity_ttl(value: object) -> int | None:
     """Seconds, or ``None``: session affinity off (Dynamo's default)."""
     return _whole(value, *AFFINITY_TTL_RANGE, none="affinity off")
+
+
+def interpreter(value: object) -> str:
+    """The Python that runs Dynamo: a path to an executable file, or a command found on ``PATH``.
+
+    Only that it can be run is checked here; whether Dynamo is installed there takes running it, which
+    the stack does next (``dynamo_version_of``).
+    """
+    given = os.fspath(value) if isinstance(value, os.PathLike) else value
+    text = given if isinstance(given, str) else ""
+    path = shutil.which(text) if text.strip() and os.sep not in text else text
+    if not text.strip():
+        problem = "not a path"
+    elif path is None:
+        problem = "no such command on PATH"
+    elif not os.path.exists(path):
+        problem = "no such file"
+    elif os.path.isdir(path):
+        problem = "a directory"
+    elif not os.access(path, os.X_OK):
+        problem = "not executable"
+    else:
+        return text
+    raise ValueError(
+        f"expected the Python interpreter of a Dynamo install, e.g. .venv-dynamo13/bin/python, got "
+        f"{given!r} ({problem})"
+    )
 
 
 def port(value: object) -> int | None:

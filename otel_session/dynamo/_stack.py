@@ -133,6 +133,22 @@ def dynamo_version_of(python: str) -> str:
     return version
 
 
+def _instead(name: str) -> str:
+    """What to do about a Dynamo interpreter that will not do, given as ``name``."""
+    if name == ENV_DYNAMO_PYTHON:
+        return f"point {name} at another, or unset it to run this interpreter's Dynamo"
+    return "pass another, or leave python out to run this interpreter's Dynamo"
+
+
+def dynamo_version_for(python: str, name: str) -> str:
+    """:func:`dynamo_version_of` for an interpreter given as ``name`` (``python`` or
+    ``OTEL_SESSION_DYNAMO_PYTHON``): its :class:`DynamoInstallError` names it and says what to do."""
+    try:
+        return dynamo_version_of(python)
+    except DynamoInstallError as exc:
+        raise DynamoInstallError(f"{name}: {exc}; or {_instead(name)}") from None
+
+
 def _get_json(url: str, timeout: float = 2.0) -> Any:
     with _HTTP.open(url, timeout=timeout) as resp:
         return json.loads(resp.read().decode("utf-8"))
@@ -202,8 +218,10 @@ class LocalDynamo:
     Arguments are checked here, with the same checks as the ``otel-session`` command: ``router_mode``
     one of :data:`~otel_session.dynamo._checks.ROUTER_MODES`, ``affinity_mode`` ``"hard"`` or
     ``"soft"``, ``port`` 1-65535 or ``None``; a mistake is a one-line :class:`ValueError` naming the
-    argument. A ``port`` somebody already listens on is a :class:`DynamoStartError` from :meth:`start`,
-    before anything is spawned.
+    argument. So is a ``python`` (or ``$OTEL_SESSION_DYNAMO_PYTHON``) that is no executable file, named
+    as whichever gave it. A ``port`` somebody already listens on is a :class:`DynamoStartError`, and a
+    ``python`` without Dynamo a :class:`DynamoInstallError` naming it, from :meth:`start` before
+    anything is spawned.
     """
 
     def __init__(
@@ -247,7 +265,16 @@ class LocalDynamo:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.auto_install = auto_install
-        self.python = python or os.environ.get(ENV_DYNAMO_PYTHON) or sys.executable
+        #: Where ``python`` came from, the name its mistakes are reported under (``None``: this one).
+        self._python_from = (
+            "python" if python else ENV_DYNAMO_PYTHON if os.environ.get(ENV_DYNAMO_PYTHON) else None
+        )
+        self.python = sys.executable
+        if self._python_from is not None:
+            try:
+                self.python = _checks.interpreter(python or os.environ.get(ENV_DYNAMO_PYTHON))
+            except ValueError as exc:
+                raise ValueError(f"{self._python_from}: {exc}; {_instead(self._python_from)}") from None
         #: The ``ai-dynamo`` version that runs the stack, known once :meth:`start` has checked it.
         self.dynamo_version: str | None = None
 
@@ -386,7 +413,7 @@ class LocalDynamo:
             except importlib.metadata.PackageNotFoundError:
                 version = DYNAMO_VERSION  # a source checkout on sys.path: ours
         else:
-            version = dynamo_version_of(self.python)
+            version = dynamo_version_for(self.python, self._python_from or "python")
         if (
             self.affinity_ttl_secs is not None
             and self.affinity_mode != "hard"

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import otel_session
 from otel_session.dynamo import _checks
+from otel_session.dynamo._library_log import each_warning_once
 
 if TYPE_CHECKING:  # imported when a run starts: a usage mistake is answered without loading them
     from otel_session.dynamo.workload import Summary, TrajectoryResult, Workload
@@ -142,21 +143,17 @@ def _check_clients() -> None:
         raise RunError(f"{' and '.join(missing)} not installed; install with: {command}")
 
 
-def _check_local_dynamo() -> str:
-    """Which Dynamo the local stack will run; another interpreter's is checked before anything starts."""
-    from otel_session.dynamo import (
-        DYNAMO_VERSION,
-        ENV_DYNAMO_PYTHON,
-        DynamoInstallError,
-        dynamo_version_of,
-    )
+def _check_local_dynamo(python: str) -> str:
+    """Which Dynamo the local stack will run; another interpreter's (``OTEL_SESSION_DYNAMO_PYTHON``,
+    already checked to be an executable by ``LocalDynamo``) is asked before anything starts, and one
+    without Dynamo is a mistake in that variable, in the words ``LocalDynamo.start()`` would use."""
+    from otel_session.dynamo import DYNAMO_VERSION, ENV_DYNAMO_PYTHON, DynamoInstallError, _stack
 
-    python = os.environ.get(ENV_DYNAMO_PYTHON)
-    if python and os.path.abspath(python) != os.path.abspath(sys.executable):
+    if os.path.abspath(python) != os.path.abspath(sys.executable):
         try:
-            return dynamo_version_of(python)
+            return _stack.dynamo_version_for(python, ENV_DYNAMO_PYTHON)
         except DynamoInstallError as exc:
-            raise RunError(f"{ENV_DYNAMO_PYTHON}: {exc}") from None
+            raise UsageError(str(exc)) from None
     return DYNAMO_VERSION  # when missing, LocalDynamo.start() installs it and says so, with progress
 
 
@@ -373,22 +370,29 @@ def _run(args: argparse.Namespace) -> int:
     stack: Any = None
     if args.base_url:
         served = _served_models(args.base_url)
+        if not served:
+            model = f", so --model {args.model!r} is not served either" if args.model else ""
+            raise RunError(
+                f"{args.base_url}/models lists no model (yet){model}: no worker has registered one with "
+                "the frontend; start a worker (or wait until it registers) and run again"
+            )
         if args.model and args.model not in served:
             raise RunError(
                 f"--model {args.model!r} is not served at {args.base_url} (it serves: {', '.join(served)})"
             )
-        if not served:
-            raise RunError(f"{args.base_url}/models lists no model; is a worker registered?")
         base_urls, model = [args.base_url], args.model or served[0]
     else:
         from otel_session.dynamo import DynamoInstallError, DynamoStartError, LocalDynamo
 
-        stack = LocalDynamo(
-            workers=args.workers, router_mode=args.router, affinity_ttl_secs=args.affinity_ttl
-        )
+        try:  # the flags are checked already: what is left is OTEL_SESSION_DYNAMO_PYTHON, named
+            stack = LocalDynamo(
+                workers=args.workers, router_mode=args.router, affinity_ttl_secs=args.affinity_ttl
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         if args.model and args.model != stack.model_name:
             raise UsageError(f"--model {args.model!r}: the local stack serves only {stack.model_name!r}")
-        version = _check_local_dynamo()
+        version = _check_local_dynamo(stack.python)
         if not args.json:
             print(
                 f"starting a local Dynamo {version}: {args.workers} mocker workers, {args.router} router, "
@@ -523,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        with each_warning_once():  # configure() runs more than once per run, each reading the variables
+            return int(args.func(args))
     except UsageError as exc:
         print(f"otel-session: {exc}", file=sys.stderr)
         return 2

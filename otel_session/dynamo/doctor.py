@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import otel_session
 from otel_session import SESSION_HEADER, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
+from otel_session.dynamo._library_log import no_session_on_purpose
 from otel_session.dynamo.sizing import FULL_ANSWER, sizing_note
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
@@ -86,7 +87,9 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
     """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``).
 
     A URL that is not one, or that carries credentials (``user:password@``), is a :class:`ValueError`
-    that does not repeat them: the report prints the URL.
+    that does not repeat them: the report prints the URL. Some probes go outside any trajectory on
+    purpose: the library's line about such a request is not logged for them (it is logged once per
+    process, so a later one of the caller's is not told either).
     """
     import httpx2
     import openai
@@ -140,7 +143,8 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
 
     otel_session.configure(dynamo_hosts=[netloc])
     try:
-        first = ask()
+        with no_session_on_purpose():  # the library's "sent outside any trajectory" is about these
+            first = ask()
         if not report.add(
             "worker reported",
             first is not None,
@@ -150,7 +154,8 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
             "or the response?",
         ):
             return report
-        free = {ask() for _ in range(requests)}
+        with no_session_on_purpose():
+            free = {ask() for _ in range(requests)}
         pinned: list[set[int | None]] = []
         for _ in range(sessions):
             with trajectory():
