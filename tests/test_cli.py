@@ -493,3 +493,13 @@ def test_doctor_on_a_deployment_without_affinity_names_the_flag(
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "[FAIL] sessions pinned" in proc.stdout
     assert "--router-session-affinity-ttl-secs" in proc.stdout
+
+
+def test_doctor_with_a_model_the_frontend_does_not_serve_names_the_ones_it_does(
+    dynamo_stack: LocalDynamo,
+) -> None:
+    proc = run_cli("doctor", "--base-url", dynamo_stack.base_url, "--model", "no-such-model", timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "[FAIL] model served: 'no-such-model' is not among the models listed" in proc.stdout
+    assert dynamo_stack.model_name in proc.stdout
+    assert "session table full" not in proc.stdout  # not the fix for a request that failed with a 404

@@ -120,6 +120,13 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
         "no model is registered: start at least one worker for the model",
     ):
         return report
+    if model is not None and not report.add(
+        "model served",
+        model in names,
+        f"{model!r} is {'' if model in names else 'not '}among the models listed",
+        f"pass one the frontend serves: {', '.join(names)}",
+    ):
+        return report
     model = model or names[0]
 
     sent: list[tuple[bool, str | None]] = []
