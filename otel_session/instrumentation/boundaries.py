@@ -9,17 +9,30 @@ function: a coroutine awaited, a generator iterated, all inside one new attempt;
 trajectory it is a nested one. Frameworks are covered by presets of the same mechanism
 (``nemo_rl``). A name that does not resolve once its module is imported, or whose module is never
 imported by the time the process exits, is one warning naming it; the other names still apply.
+
+One function reached under several names (a package's re-export, a method a subclass inherits, a
+preset the user names too) is one boundary: a call is one attempt, opened by the innermost wrapper in
+force, never two nested ones. Each wrapper asks at call time whether its name is in force, so a
+reference taken while configured (``from rollouts import run_episode``) passes straight through
+after ``unconfigure()``, and serves again if the name is configured again. A class, or a method
+reached through an instance or a metaclass, is refused with one warning saying what to name instead.
+(Over 300 lines: the wrappers must also pickle and copy as the functions they stand for, since
+multiprocessing, Ray and deep-copied configs hand rollout functions around.)
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
+import importlib.util
 import inspect
+import operator
 import sys
 import threading
 from collections.abc import Callable, Collection
+from pathlib import Path
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsIndex
 
 import wrapt
 
@@ -30,9 +43,10 @@ from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
 # Arguments that name the sample a rollout function runs, recorded as the attempt's span attribute.
 _SAMPLE_ARGUMENTS = {"sample_idx": "otel_session.sample_index", "traj_idx": "otel_session.sample_index"}
 
-
 # Code a boundary must never be made of: what otel-session itself runs while opening an attempt.
 _OWN_MODULES = ("otel_session", "opentelemetry", "wrapt")
+
+_LOCK = threading.RLock()  # one boundary per name, shared by every instrumentor that names it
 
 
 class Unresolved(Exception):
@@ -40,22 +54,21 @@ class Unresolved(Exception):
 
 
 def _python_code(target: Any) -> bool:
-    """Whether ``target`` (a function, method descriptor, class or callable object) runs Python code
-    of its own: a builtin or C function is no rollout, and otel-session itself may call it."""
+    """Whether ``target`` (a function, method descriptor or callable object) runs Python code of its
+    own: a builtin or C function is no rollout, and otel-session itself may call it."""
     if isinstance(target, (classmethod, staticmethod)):
         target = target.__func__
-    if inspect.isclass(target):
-        return any(inspect.isfunction(getattr(target, method, None)) for method in ("__init__", "__new__"))
     if not inspect.isfunction(inspect.unwrap(target)) and not inspect.ismethod(target):
         target = inspect.getattr_static(type(target), "__call__", None)
     return inspect.isfunction(inspect.unwrap(target)) if target is not None else False
 
 
-def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, bool]:
-    """(owner, attribute, copied down) for ``qualified`` in ``module``; ``Unresolved`` says why not."""
+def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, Any]:
+    """(owner, attribute, what the owner holds there) for ``qualified`` in ``module``; ``Unresolved``
+    says why not, and what to name instead where there is a better name."""
     *path, name = qualified.split(".")
     owner: Any = module
-    for part in [*path, name][:-1]:
+    for part in path:
         if not hasattr(owner, part):
             raise Unresolved(f"{getattr(owner, '__name__', owner)!s} has no {part}")
         owner = getattr(owner, part)
@@ -63,6 +76,19 @@ def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, bool]:
         target = inspect.getattr_static(owner, name)
     except AttributeError:
         raise Unresolved(f"{getattr(owner, '__name__', owner)!s} has no {name}") from None
+    kind = owner.__class__  # where such a method lives: an instance's class, a class's metaclass
+    instead = f"{kind.__module__}:{kind.__qualname__}.{name}"
+    if isinstance(owner, type) and not any(name in vars(base) for base in owner.__mro__):
+        raise Unresolved(f"{qualified} is defined on the metaclass of {path[-1]}: name {instead} instead")
+    if not isinstance(owner, (ModuleType, type)) and name not in getattr(owner, "__dict__", {}):
+        raise Unresolved(
+            f"{qualified} is a method reached through an instance: name its class's, {instead}, instead"
+        )
+    if inspect.isclass(target):
+        raise Unresolved(
+            f"{qualified} is a class, and constructing an object is not an attempt: name the function or "
+            f"method that runs one attempt instead, e.g. {module.__name__}:{qualified}.run_episode"
+        )
     if isinstance(target, property) or not callable(getattr(owner, name)):
         raise Unresolved(f"{qualified} is not a function, method or callable object")
     if getattr(getattr(owner, name), "__module__", None) in (None, "builtins") or not _python_code(target):
@@ -70,10 +96,7 @@ def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, bool]:
     origin = str(getattr(inspect.unwrap(getattr(owner, name)), "__module__", "") or "")
     if origin.partition(".")[0] in _OWN_MODULES:
         raise Unresolved(f"{qualified} is code otel-session itself runs")
-    copied = name not in vars(owner)
-    if copied:  # inherited: wrapped on this class only, never on its base (taken away again on unwrap)
-        setattr(owner, name, target)
-    return owner, name, copied
+    return owner, name, target
 
 
 def _sample_attributes(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
@@ -97,15 +120,28 @@ def _sample_attributes(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]],
     return read
 
 
-class _Boundary:
-    """The wrapt wrapper of one named function: each call a new attempt."""
+def _serving(value: Any) -> bool:
+    """Whether a boundary in force wraps ``value``: one function wrapped under two names (a re-export,
+    an inherited method, a preset the user names too) is one attempt a call, opened by the innermost."""
+    while isinstance(value, (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)):
+        if isinstance(value._self_wrapper, _Boundary) and value._self_wrapper.holders:
+            return True
+        value = value.__wrapped__
+    return False
 
-    def __init__(self, name: str, original: Any) -> None:
+
+class _Boundary:
+    """The wrapt wrapper of one named function: each call a new attempt while the name is in force."""
+
+    def __init__(self, name: str) -> None:
         self.name = name
         self.template = trajectory(name=name.partition(":")[2], attributes={"otel_session.boundary": name})
-        self.read = _sample_attributes(original)
+        self.read = _sample_attributes(None)  # reads nothing until applied to a function
+        self.holders: set[object] = set()  # the instrumentors naming it now; none: every call passes through
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.holders or _serving(wrapped):  # a stale reference, or one inside opens the attempt
+            return wrapped(*args, **kwargs)
         try:
             template = self.template._fresh(self.read(args, kwargs))
         except Exception as exc:  # a bug of ours must not fail the rollout: it runs as it would
@@ -114,8 +150,85 @@ class _Boundary:
         return as_attempt(template, wrapped, args, kwargs)
 
 
+class _BoundMethod(wrapt.BoundFunctionWrapper[..., Any]):
+    """A named method as reached through its class or an instance: pickled and copied as a method is
+    (multiprocessing, Ray and deep-copied configs hand rollout methods around)."""
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        holder = self._self_instance if self._self_binding not in ("classmethod", "staticmethod") else None
+        holder = holder if holder is not None else getattr(self, "_self_owner", None)  # wrapt 1 has none
+        if holder is None:
+            return self.__wrapped__.__reduce_ex__(protocol)
+        return getattr, (holder, self._self_parent._self_attribute)
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if self._self_instance is None:
+            return self
+        return getattr(copy.deepcopy(self._self_instance, memo), self._self_parent._self_attribute)
+
+
+class _Proxy(wrapt.FunctionWrapper[..., Any]):
+    """A named function in place of the original: pickled by name, so the receiving process finds its
+    own (a boundary there too if it names it), and a copy of a function is the function itself; a
+    callable object it wraps pickles as the object, and copies as a boundary of the copy."""
+
+    __bound_function_wrapper__ = _BoundMethod
+
+    def __init__(self, wrapped: Any, boundary: _Boundary, attribute: str) -> None:
+        super().__init__(wrapped, boundary)
+        self._self_boundary = boundary
+        self._self_attribute = attribute
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        try:
+            found: Any = sys.modules[self.__module__]
+            for part in self.__qualname__.split("."):
+                found = getattr(found, part)
+        except Exception:
+            found = None
+        if found is self:
+            return self.__qualname__  # pickle looks it up again, and finds this very wrapper
+        return operator.itemgetter(0), ((self.__wrapped__,),)  # the original, pickled as it would be
+
+    def __copy__(self) -> Any:
+        return self if inspect.isroutine(self.__wrapped__) else self._copy(copy.copy(self.__wrapped__))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        wrapped = self.__wrapped__
+        return self if inspect.isroutine(wrapped) else self._copy(copy.deepcopy(wrapped, memo))
+
+    def _copy(self, wrapped: Any) -> _Proxy:
+        return _Proxy(wrapped, self._self_boundary, self._self_attribute)
+
+
 _BOUNDARIES: dict[str, _Boundary] = {}
+# Every attribute wrapped, in order: (boundary, owner, attribute, proxy, copied down from a base).
+_WRAPPED: list[tuple[_Boundary, Any, str, _Proxy, bool]] = []
 _WARNED: set[str] = set()  # names already warned about: once per process, however often configured
+
+
+def _never_imported(module: str) -> str:
+    """Why ``module`` was never imported, as far as can be told at exit without importing anything."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None) or getattr(getattr(main, "__loader__", None), "path", None)
+    script = getattr(spec, "name", None) or Path(str(path or "")).stem  # __file__ is gone once it ran
+    if module == script:
+        return (
+            f"{module} ran as the script (__main__), whose functions cannot be hooked: move the function "
+            "into a module the script imports, or decorate it with @otel_session.trajectory"
+        )
+    top = module.partition(".")[0]
+    try:
+        missing = importlib.util.find_spec(top) is None
+    except Exception:  # a broken finder or package: say no more than what is known
+        missing = False
+    if missing:
+        return f"no module named {top} can be found (is it installed, or on sys.path?)"
+    return "its module was never imported"
 
 
 class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
@@ -134,9 +247,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         self._names: tuple[str, ...] = ()
         self._hooked: set[str] = set()  # modules with a post-import hook (cannot be removed)
         self._applied: set[str] = set()
-        self._copied: list[tuple[Any, str]] = []
         self._exit_check = False
-        self._names_lock = threading.RLock()
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return ()
@@ -150,9 +261,11 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
 
     def _instrument(self, **kwargs: Any) -> None:
         super()._instrument(**kwargs)
-        with self._names_lock:
+        with _LOCK:
             self._names = self.names()
             self._applied = set()
+            for name in self._names:  # in force from now on, also wrappers left from an earlier time
+                _BOUNDARIES.setdefault(name, _Boundary(name)).holders.add(self)
             for name in self._names:
                 module = name.partition(":")[0]
                 if module not in self._hooked:
@@ -162,13 +275,13 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                     self._module_imported(sys.modules[module])
             if self._names and not self.presets and not self._exit_check:
                 self._exit_check = True
-                atexit.register(self._never_imported)
+                atexit.register(self._warn_never_imported)
 
     def _imported(self, module: ModuleType) -> None:
         """The base class's hook on ``library``: nothing to patch there, the names have their own."""
 
     def _module_imported(self, module: ModuleType) -> None:
-        with self._names_lock:
+        with _LOCK:
             if not self.active:
                 return
             for name in self._names:
@@ -177,20 +290,19 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                     self._apply(module, name)
 
     def _apply(self, module: ModuleType, name: str) -> None:
-        qualified = name.partition(":")[2]
+        boundary = _BOUNDARIES[name]
         try:
             if module.__name__ == "__main__":
                 raise Unresolved(
                     "the script being run (__main__) cannot be hooked before its functions exist: name a "
                     "function in a module it imports, or decorate it with @otel_session.trajectory"
                 )
-            owner, attribute, copied = _resolve(module, qualified)
-            boundary = _BOUNDARIES.get(name)
-            if boundary is None:  # one wrapper per name, whichever instrumentor names it: never twice
-                boundary = _BOUNDARIES[name] = _Boundary(name, getattr(owner, attribute))
-            self.patch(owner, attribute, boundary)
-            if copied:
-                self._copied.append((owner, attribute))
+            owner, attribute, target = _resolve(module, name.partition(":")[2])
+            boundary.read = _sample_attributes(getattr(owner, attribute))
+            proxy = _Proxy(target, boundary, attribute)
+            copied = attribute not in vars(owner)  # inherited: wrapped on this class only, never its base
+            setattr(owner, attribute, proxy)
+            _WRAPPED.append((boundary, owner, attribute, proxy, copied))
         except Exception as exc:
             if not self.presets and name not in _WARNED:  # a preset names what a version may lack
                 _WARNED.add(name)
@@ -203,23 +315,36 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
 
     def _uninstrument(self, **kwargs: Any) -> None:
         super()._uninstrument(**kwargs)
-        for owner, attribute in self._copied:  # an inherited method copied down: inherited again
-            if attribute in vars(owner) and not isinstance(vars(owner)[attribute], wrapt.FunctionWrapper):
-                delattr(owner, attribute)
-        self._copied = []
+        with _LOCK:
+            for boundary in _BOUNDARIES.values():
+                boundary.holders.discard(self)
+            for boundary, owner, attribute, proxy, copied in reversed(_WRAPPED):  # a wrapper on top first
+                if boundary.holders:
+                    continue  # still named by another instrumentor
+                try:  # one wrapped over since is left, and passes straight through
+                    if vars(owner).get(attribute) is proxy:
+                        if copied:  # an inherited method copied down: inherited again
+                            delattr(owner, attribute)
+                        else:
+                            setattr(owner, attribute, proxy.__wrapped__)
+                except Exception as exc:  # left in place, it passes through: never a failed unconfigure
+                    _faults.report(f"unwrapping {boundary.name}", exc)
+            _WRAPPED[:] = [wrapped for wrapped in _WRAPPED if wrapped[0].holders]
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
         return []
 
-    def _never_imported(self) -> None:
-        """At exit: one warning per named function whose module was never imported."""
+    def _warn_never_imported(self) -> None:
+        """At exit: one warning per named function whose module was never imported, saying why."""
         if not self.active:
             return
         for name in self._names:
-            if name.partition(":")[0] not in sys.modules:
+            module = name.partition(":")[0]
+            if module not in sys.modules:
                 _faults.warn(
-                    "otel-session: trajectory function %s was never applied: its module was never imported",
+                    "otel-session: trajectory function %s was never applied: %s",
                     name,
+                    _never_imported(module),
                 )
 
 
