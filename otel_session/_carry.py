@@ -35,7 +35,7 @@ from otel_session._context import (
     with_session,
 )
 from otel_session._ids import is_valid_session_id
-from otel_session._trajectory import keeping_kind
+from otel_session._trajectory import continued, keeping_kind
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -46,8 +46,9 @@ def bind(func: Callable[_P, _R]) -> Callable[_P, _R]:
     """Make ``func`` run in the caller's current context, wherever it is later called.
 
     ``pool.submit(otel_session.bind(work), x)`` keeps the trajectory's session in the pool thread.
-    A coroutine function, generator function or async generator function keeps it where its body
-    runs: awaited or iterated later, on another thread or loop, as ``trajectory()`` does for them.
+    A coroutine function, generator function or async generator function (or a function returning
+    one of those) keeps it where its body runs: awaited or iterated later, on another thread or loop,
+    as ``trajectory()`` does for them.
     """
     captured = contextvars.copy_context()
     ctx = otel_context.get_current()
@@ -59,7 +60,9 @@ def bind(func: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(func)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return captured.copy().run(func, *args, **kwargs)
+        result = captured.copy().run(func, *args, **kwargs)
+        later = continued(None, ctx, result)  # ``lambda: step()``: the coroutine it returns, too
+        return cast(_R, later) if later is not None else result
 
     return run
 
@@ -99,7 +102,7 @@ def resume(carrier: Mapping[str, Any] | None) -> Iterator[str | None]:
     except Exception as exc:  # a trace parent that cannot be read: the session still continues
         _faults.report("reading the trace parent of a session carrier", exc)
         ctx = None
-    ctx = with_session(session, parent if is_valid_session_id(parent) else None, ctx)  # type: ignore[arg-type]
+    ctx = with_session(session, parent if is_valid_session_id(parent) and parent != session else None, ctx)  # type: ignore[arg-type]
     token = otel_context.attach(ctx)
     try:
         yield session

@@ -17,12 +17,11 @@ from urllib.parse import urlsplit
 from opentelemetry import propagate
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _faults, _registry, _settings, _tracing
+from otel_session import _faults, _registry, _settings, _stock, _tracing
 from otel_session._hosts import HostPattern
 from otel_session._propagator import SessionPropagator
 from otel_session._routers import DYNAMO
 from otel_session._settings import Settings
-from otel_session._stock import warn_stock_leaks
 
 # Re-entrant: a signal handler may call unconfigure() while configure() runs on the same thread.
 _lock = threading.RLock()
@@ -82,7 +81,7 @@ def install(settings: Settings, warnings: list[str] | None = None) -> None:
         )
     with _faults.deferred():
         _warn_new(warnings)
-        with _lock:
+        with _lock, _stock.settling():
             _install(settings)
 
 
@@ -136,7 +135,7 @@ def unconfigure() -> None:
     Trajectories still set their session in the context (so code keeps working), but nothing is sent.
     """
     global _previous_textmap
-    with _faults.deferred(), _lock:
+    with _faults.deferred(), _lock, _stock.settling():
         _settings.set_active(None)
         _told.clear()
         _tracing.apply(False)
@@ -214,4 +213,4 @@ def activate_environment() -> None:
         with _lock:
             if _settings.current is None:
                 _settings.set_active(settings)
-    warn_stock_leaks()
+    _stock.warn_stock_leaks()

@@ -113,11 +113,14 @@ class HostPattern:
             raise ValueError("host pattern is empty")
         if "://" in text:
             return cls._parse_url(text, pattern)
-        if _SCHEME_TYPO.match(text):
+        if _SCHEME_TYPO.match(text) or "//" in text:
             raise ValueError(f"host pattern {pattern!r}: a URL needs '://' (e.g. 'http://host:port')")
-        if "/" in text and not text.startswith("["):
-            text, _, path = text.partition("/")  # host:port/v1, copied from a base URL: the path says nothing
-            if path.isdigit() and _normalize_ip(text) is not None:
+        if "/" in text:  # host:port/v1, copied from a base URL: the path says nothing...
+            close = text.find("]") + 1 if text.startswith("[") else 0
+            head, _, path = text[close:].partition("/")
+            text = text[:close] + head
+            if path[:1].isdigit() and all(label.isdigit() for label in text.split(".")):
+                # ...but 10.0.0.0/8, 10/8 or 10.0.0.0/255.0.0.0 is a network, not its first address
                 raise ValueError(
                     f"host pattern {pattern!r}: a network range is not a host pattern; name each address "
                     "(or the hosts' DNS names, with a '*.' wildcard)"
@@ -145,8 +148,8 @@ class HostPattern:
                 f"host pattern {pattern!r}: only a leading '*.' wildcard is allowed, and no path or userinfo"
             )
         host = normalize_host(host_text) if host_text else None
-        if host is None:
-            raise ValueError(
+        if host is None or (not wildcard and _numeric_tail(host) and _normalize_ip(host) is None):
+            raise ValueError(  # '10' or '192.168' is no name, and a resolver would read it as some address
                 f"host pattern {pattern!r}: {host_text!r} is not a valid host name or IP address"
             )
         if wildcard and (":" in host or _normalize_ip(host) is not None or _numeric_tail(host)):

@@ -12,6 +12,7 @@ where it must not go, recognising our baggage members however they were encoded.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from opentelemetry import baggage, propagate
@@ -99,29 +100,38 @@ def extract_session(carrier: Any, context: Context | None, getter: Getter[Any] =
     """
     ctx = _tracecontext.extract(carrier, context, getter)
     raw = getter.get(carrier, "baggage")
+    ours: dict[str, str] | None = None
     if raw and sum(len(value) for value in raw) <= _w3c.MAX_HEADER_BYTES:
         ctx = _baggage.extract(carrier, ctx, getter)
+        # Ours are read from every header line ourselves: the stock extractor reads only the first
+        # line, stops at its member limit, and keeps a member's properties in its value
+        # (``session.id=V;ttl=60`` would be the session "V;ttl=60"; W3C says the value is V).
+        ours = _our_members(raw)
     session = _first_valid(getter, carrier, SESSION_HEADER)
     if session is not None:
         return with_session(session, _first_valid(getter, carrier, PARENT_SESSION_HEADER), ctx)
     in_baggage = baggage.get_all(ctx)
-    if SESSION_KEY in in_baggage or PARENT_KEY in in_baggage:
-        # Read from the header itself: the stock extractor keeps a member's properties in its value
-        # (``session.id=V;ttl=60`` would become the session "V;ttl=60"), W3C says the value is V.
-        ours = _our_members(raw or [])
+    if ours is not None and (ours or SESSION_KEY in in_baggage or PARENT_KEY in in_baggage):
         session, parent = ours.get(SESSION_KEY), ours.get(PARENT_KEY)
         ctx = baggage.remove_baggage(PARENT_KEY, baggage.remove_baggage(SESSION_KEY, ctx))
         if is_valid_session_id(session):
-            ctx = with_session(session, parent if is_valid_session_id(parent) else None, ctx)  # type: ignore[arg-type]
+            parent = parent if is_valid_session_id(parent) and parent != session else None
+            ctx = with_session(session, parent, ctx)  # type: ignore[arg-type]
     return ctx
 
 
+# W3C baggage-octet, as written on the wire (percent escapes included): a DQUOTE, comma, semicolon,
+# backslash, space or control character makes the member invalid, as the stock extractor holds it.
+_BAGGAGE_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*")
+
+
 def _our_members(headers: list[str]) -> dict[str, str]:
-    """Our keys' values in ``baggage`` headers, decoded and without properties; the last one wins,
-    as in the stock extractor."""
+    """Our keys' valid values in ``baggage`` headers, decoded and without properties; the last one
+    wins, as in the stock extractor."""
     found = {}
     for header in headers:
-        for key, value, _ in _w3c.decoded_members(header):
-            if key in (SESSION_KEY, PARENT_KEY):
+        for key, value, text in _w3c.decoded_members(header):
+            written = text.partition("=")[2].partition(";")[0].strip(" \t")
+            if key in (SESSION_KEY, PARENT_KEY) and _BAGGAGE_VALUE.fullmatch(written):
                 found[key] = value
     return found

@@ -8,25 +8,39 @@ set_global_textmap``, before or after ``configure()``), so every one of those pa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from opentelemetry import propagate
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_session import _faults
 
-_STOCK = {"W3CBaggagePropagator": "baggage", "TraceContextTextMapPropagator": "tracecontext"}
 _SENDS = {"baggage": "baggage (session.id)", "tracecontext": "traceparent"}
 
 
 def stock_leaks(propagator: TextMapPropagator) -> list[str]:
-    """The stock propagators in ``propagator`` that send our members or spans to every host.
+    """The stock propagators in ``propagator`` that send our members or spans to every host: at any
+    depth of composition, and their subclasses too.
 
     A stock ``baggage`` propagator sends ``session.id`` everywhere and ``tracecontext`` sends
     ``traceparent`` everywhere. Composed with ours, ours takes their copies back on the requests of
     the clients it instruments, but not on any other client's.
     """
-    members = list(propagator._propagators) if isinstance(propagator, CompositePropagator) else [propagator]
-    return [_STOCK[type(p).__name__] for p in members if type(p).__name__ in _STOCK]
+    found: list[str] = []
+    todo, seen = [propagator], 0
+    while todo and seen < 64:  # a composite holding itself must not hang the check
+        member, seen = todo.pop(0), seen + 1
+        if isinstance(member, CompositePropagator):
+            todo.extend(getattr(member, "_propagators", ()))
+        elif isinstance(member, W3CBaggagePropagator):
+            found.append("baggage")
+        elif isinstance(member, TraceContextTextMapPropagator):
+            found.append("tracecontext")
+    return list(dict.fromkeys(found))
 
 
 _leak_warned: list[bool] = []
@@ -57,8 +71,23 @@ def warn_stock_leaks(propagator: TextMapPropagator | None = None) -> None:
     )
 
 
+_settling = 0  # configure() or unconfigure() in progress: the global propagator is theirs to change
+
+
+@contextlib.contextmanager
+def settling() -> Iterator[None]:
+    """While ``configure()`` or ``unconfigure()`` changes the global propagator, a trajectory starting
+    on another thread must not take the propagator it replaces for one the application set."""
+    global _settling
+    _settling += 1
+    try:
+        yield
+    finally:
+        _settling -= 1
+
+
 def check_global() -> None:
     """``warn_stock_leaks`` if the global propagator changed since it was last checked: the app may
     replace it after ``configure()`` (``propagate.set_global_textmap``), and then ours never runs."""
-    if _leaks_checked is not propagate.get_global_textmap():
+    if not _settling and _leaks_checked is not propagate.get_global_textmap():
         warn_stock_leaks()

@@ -277,14 +277,23 @@ def as_attempt(
     if inspect.isgeneratorfunction(func):
         return generator_in(start)
     attempt, ctx, result = start()
+    later = continued(attempt, ctx, result)
+    if later is not None:
+        return later
+    attempt._end(None)
+    return result
+
+
+def continued(attempt: trajectory | None, ctx: Context, result: Any) -> Any:
+    """A coroutine, generator or async generator that a call returned, to run (awaited or iterated
+    later, anywhere) in ``ctx`` as the rest of ``attempt``; ``None`` for any other result."""
     if inspect.iscoroutine(result):
         return awaited_in(lambda: (attempt, ctx, result))
     if inspect.isgenerator(result):
         return generator_in(lambda: (attempt, ctx, result))
     if inspect.isasyncgen(result):
         return async_generator_in(lambda: (attempt, ctx, result))
-    attempt._end(None)
-    return result
+    return None
 
 
 def _call_in(attempt: trajectory, ctx: Context, func: Callable[..., Any], args: Any, kwargs: Any) -> Any:

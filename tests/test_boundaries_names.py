@@ -14,6 +14,7 @@ import copy
 import importlib
 import logging
 import multiprocessing
+import os
 import pickle
 import subprocess
 import sys
@@ -318,3 +319,62 @@ def test_the_exit_warning_says_why_a_named_module_was_never_imported(
     assert "decorate it with @otel_session.trajectory" in lines["mainroll"][0]
     assert "no module named no_such_module_anywhere can be found" in lines["no_such_module_anywhere.sub"][0]
     assert "its module was never imported" in lines["written_not_imported"][0]
+
+
+def test_a_reference_from_an_earlier_configure_still_pickles_and_runs_in_a_pool(
+    package: str, dynamo: Recorder
+) -> None:
+    """From an outside attack: configuring again (interpreter start, then the application) wraps the
+    function anew, and a reference taken before could no longer be pickled ("not the same object")."""
+    names = [f"{package}.rollouts:double"]
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=names)
+    _, rollouts = _load(package, dynamo)
+    held = rollouts.double
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=names)
+    assert held is not rollouts.double
+    assert _pickled(held) is rollouts.double  # the receiving side looks the name up itself
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(held, 3).result(60) == 6
+
+
+@pytest.mark.parametrize(
+    "name", ["inspect:iscoroutinefunction", "uuid:uuid4", "functools:wraps", "contextlib:suppress.__enter__"]
+)
+def test_standard_library_code_is_refused_since_otel_session_itself_runs_it(
+    name: str, dynamo: Recorder, warnings: Callable[[str], list[str]]
+) -> None:
+    """From an outside attack: ``inspect:iscoroutinefunction`` was accepted, and every call of it then
+    recursed (opening an attempt calls it)."""
+    import inspect
+
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[name])
+    assert inspect.iscoroutinefunction(_load) is False
+    with otel_session.trajectory():
+        pass
+    [said] = warnings(name)
+    assert "code otel-session itself may run" in said or "does not resolve" in said
+
+
+def test_a_helper_process_says_only_what_cannot_be_right_anywhere(tmp_path: Path, dynamo: Recorder) -> None:
+    """From an outside attack: under OTEL_SESSION_AUTO every helper process (multiprocessing's
+    resource tracker, ``python -c``) said at exit that each name was never applied, though the
+    processes running the rollouts applied them. A name no process can apply is still said."""
+    (tmp_path / "real_rollouts.py").write_text("def run():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        OTEL_SESSION_AUTO="true",
+        OTEL_SESSION_DYNAMO_HOSTS=dynamo.authority,
+        OTEL_SESSION_TRAJECTORY_FUNCTIONS="real_rollouts:run,no_such_module_anywhere:run",
+        PYTHONPATH=os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "print('helper')"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "helper", done.stderr
+    assert "real_rollouts:run" not in done.stderr
+    assert "no module named no_such_module_anywhere can be found" in done.stderr

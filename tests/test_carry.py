@@ -308,3 +308,29 @@ def test_a_trajectory_or_resume_where_nothing_is_configured_says_so_once(
     with caplog.at_level("WARNING", logger="otel_session"), otel_session.trajectory():
         pass
     assert not [r for r in caplog.records if "not configured" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("configured")
+def test_bind_of_a_plain_callable_returning_a_coroutine_keeps_the_session(dynamo: Recorder) -> None:
+    async def turn() -> str | None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            await client.post(f"{dynamo.url}/lambda")
+        return otel_session.current_session_id()
+
+    with otel_session.trajectory() as traj:
+        bound = otel_session.bind(lambda: turn())
+    seen: list[str | None] = []
+    thread = threading.Thread(target=lambda: seen.append(asyncio.run(bound())))
+    thread.start()
+    thread.join()
+    assert seen == [traj.session_id] and _sessions(dynamo, "/lambda") == [traj.session_id]
+
+
+@pytest.mark.usefixtures("configured")
+def test_a_carrier_naming_its_session_as_its_own_parent_has_no_parent(dynamo: Recorder) -> None:
+    with otel_session.resume({"session.id": "s-self", "session.parent_id": "s-self"}):
+        _call(f"{dynamo.url}/self")
+        with otel_session.trajectory(session_id="s-self") as again:
+            assert again.parent_session_id is None
+    [seen] = [seen for seen in dynamo.requests if seen.path == "/self"]
+    assert seen.get(SESSION) == "s-self" and seen.get(PARENT) is None

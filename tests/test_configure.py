@@ -151,6 +151,13 @@ def test_the_callers_request_object_is_left_unchanged(dynamo: Recorder) -> None:
         ("http//127.0.0.1:18101", "needs '://'"),
         ("http:/127.0.0.1:18101", "needs '://'"),
         ("https:dynamo", "needs '://'"),
+        ("http.//dynamo:8000", "needs '://'"),
+        ("10/8", "network range"),
+        ("192.168/16", "network range"),
+        ("10.0.0.0/255.0.0.0", "network range"),
+        ("10.0.0.0/8:8000", "network range"),
+        ("10", "not a valid host name or IP address"),
+        ("192.168", "not a valid host name or IP address"),
     ],
 )
 def test_a_pattern_that_would_be_read_as_another_host_is_refused(bad: str, says: str) -> None:
@@ -240,3 +247,16 @@ def test_configuring_again_from_the_same_variables_says_each_warning_once(
         otel_session.unconfigure()
         otel_session.configure(dynamo_hosts=["a:1"])
     assert sum("OTEL_SESSION_ADOPT" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.parametrize(
+    ("spelling", "means"),
+    [
+        ("[::1]:18080/v1", "[::1]:18080"),
+        ("[::1]/v1", "[::1]"),
+        ("localhost/v1", "localhost"),
+        ("https-gw:443", "https-gw:443"),
+    ],
+)
+def test_a_base_url_copied_without_its_scheme_still_reads_as_its_host(spelling: str, means: str) -> None:
+    assert f"dynamo=[{means}]" in repr(otel_session.configure(dynamo_hosts=[spelling]).rules)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -280,6 +281,62 @@ def test_an_app_that_replaces_the_global_propagator_after_configure_is_warned_on
     assert len(warnings) == 1 and "set_global_textmap" in warnings[0]
     assert other.requests[0].get("baggage") is None  # before the app replaced it: nothing
     assert all(seen.get(SESSION_HEADER) for seen in dynamo.requests)
+
+
+STOCK_SHAPES = {
+    "subclass": "propagate.set_global_textmap(type('Mine', (W3CBaggagePropagator,), {})())",
+    "nested": "propagate.set_global_textmap(Composite([Composite([TC(), W3CBaggagePropagator()])]))",
+}
+
+
+@pytest.mark.parametrize("shape", STOCK_SHAPES.values(), ids=STOCK_SHAPES.keys())
+def test_a_stock_propagator_subclassed_or_nested_is_warned_about_too(other: Recorder, shape: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    script = "\n".join(
+        [
+            "import otel_session",
+            "from opentelemetry import propagate",
+            "from opentelemetry.baggage.propagation import W3CBaggagePropagator",
+            "from opentelemetry.propagators.composite import CompositePropagator as Composite",
+            "from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator as TC",
+            f"otel_session.configure(dynamo_hosts=['{other.authority}'])",
+            shape,
+            "with otel_session.trajectory(): pass",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sum("includes the stock" in line for line in done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_configuring_while_trajectories_start_on_another_thread_warns_of_nothing(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From an outside attack: between configure() setting its settings and installing its propagator,
+    a trajectory on another thread took OpenTelemetry's default propagator for one the app had set."""
+    from otel_session import _stock
+
+    monkeypatch.setattr(_stock, "_leak_warned", [])
+    stop = threading.Event()
+
+    def attempts() -> None:
+        while not stop.is_set():
+            with otel_session.trajectory():
+                pass
+
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        otel_session.configure(dynamo_hosts=["dynamo:8000"])
+        worker = threading.Thread(target=attempts)
+        worker.start()
+        try:
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline:
+                otel_session.unconfigure()
+                otel_session.configure(dynamo_hosts=["dynamo:8000"])
+        finally:
+            stop.set()
+            worker.join()
+    assert not [r for r in caplog.records if "includes the stock" in r.getMessage()]
 
 
 def test_the_opentelemetry_instrument_launcher_is_not_configured_too(dynamo: Recorder) -> None:

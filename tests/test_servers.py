@@ -241,6 +241,28 @@ async def test_a_baggage_members_properties_are_not_its_value(
     assert seen.get(PARENT) == ("root-1" if "parent" in baggage else None)
 
 
+_MANY = ",".join(f"k{i}=v" for i in range(200))  # over the stock extractor's 180 members
+LINES = {
+    "second-line": [("baggage", "tenant=acme"), ("baggage", "session.id=sess-2")],
+    "after-180-members": [("baggage", f"{_MANY},session.id=sess-2")],
+    "parent-on-another-line": [("baggage", "session.id=sess-2"), ("baggage", "session.parent_id=root-2")],
+}
+
+
+@pytest.mark.parametrize("incoming", LINES.values(), ids=LINES.keys())
+async def test_a_session_anywhere_in_the_baggage_lines_is_read(
+    server: AsgiServer, dynamo: Recorder, incoming: list[tuple[str, str]]
+) -> None:
+    """W3C joins several baggage lines into one; the stock extractor reads only the first line and
+    stops at 180 members (found by an outside attack: the session was lost)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        reply = await client.post(f"{server.url}/forward/lines", headers=incoming)
+    assert reply.json()["session"] == "sess-2"
+    seen = _one(dynamo, "lines")
+    assert seen.get(SESSION) == "sess-2"
+    assert seen.get(PARENT) == ("root-2" if "parent" in str(incoming) else None)
+
+
 _HALF = ",".join(f"k{i}=v" for i in range(800))  # two of these: > 8192 bytes, each under servers' line limit
 BAD_INCOMING: dict[str, list[tuple[str, str]]] = {
     "too-long": [(SESSION, "x" * 257)],
@@ -252,6 +274,8 @@ BAD_INCOMING: dict[str, list[tuple[str, str]]] = {
     "baggage-not-ascii": [("baggage", "session.id=%C3%A9t%C3%A9")],
     "baggage-over-8192-bytes": [("baggage", "session.id=ok-1," + _HALF), ("baggage", _HALF)],
     "baggage-garbage": [("baggage", ";;==,,session.id")],
+    "baggage-quoted": [("baggage", 'session.id="quoted"')],
+    "baggage-self-parent-only": [("baggage", "session.parent_id=p-1")],
     "parent-without-session": [(PARENT, "orphan-parent")],
 }
 

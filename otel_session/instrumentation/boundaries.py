@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import importlib
 import importlib.util
 import inspect
 import operator
@@ -43,8 +44,9 @@ from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
 # Arguments that name the sample a rollout function runs, recorded as the attempt's span attribute.
 _SAMPLE_ARGUMENTS = {"sample_idx": "otel_session.sample_index", "traj_idx": "otel_session.sample_index"}
 
-# Code a boundary must never be made of: what otel-session itself runs while opening an attempt.
-_OWN_MODULES = ("otel_session", "opentelemetry", "wrapt")
+# Code a boundary must never be made of: what otel-session itself runs while opening and ending an
+# attempt (the standard library too: no rollout lives there, and ``inspect`` or ``uuid`` would recurse).
+_OWN_MODULES = frozenset({"otel_session", "opentelemetry", "wrapt", "sniffio", "trio", "anyio", "idna"})
 
 _LOCK = threading.RLock()  # one boundary per name, shared by every instrumentor that names it
 
@@ -94,8 +96,9 @@ def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, Any]:
     if getattr(getattr(owner, name), "__module__", None) in (None, "builtins") or not _python_code(target):
         raise Unresolved(f"{qualified} is not Python code of its own (a builtin, a C function, a partial)")
     origin = str(getattr(inspect.unwrap(getattr(owner, name)), "__module__", "") or "")
-    if origin.partition(".")[0] in _OWN_MODULES:
-        raise Unresolved(f"{qualified} is code otel-session itself runs")
+    top = origin.partition(".")[0]
+    if top in _OWN_MODULES or top in sys.stdlib_module_names:
+        raise Unresolved(f"{qualified} is code otel-session itself may run ({top}): name a rollout function")
     return owner, name, target
 
 
@@ -191,6 +194,10 @@ class _Proxy(wrapt.FunctionWrapper[..., Any]):
             found = None
         if found is self:
             return self.__qualname__  # pickle looks it up again, and finds this very wrapper
+        if isinstance(found, _Proxy) and _innermost(found) is _innermost(self):
+            # A reference kept from an earlier configure(): the name now holds a newer wrapper of the
+            # same function, so the receiving process looks the name up itself.
+            return _named, (self.__module__, self.__qualname__)
         return operator.itemgetter(0), ((self.__wrapped__,),)  # the original, pickled as it would be
 
     def __copy__(self) -> Any:
@@ -202,6 +209,20 @@ class _Proxy(wrapt.FunctionWrapper[..., Any]):
 
     def _copy(self, wrapped: Any) -> _Proxy:
         return _Proxy(wrapped, self._self_boundary, self._self_attribute)
+
+
+def _innermost(value: Any) -> Any:
+    while isinstance(value, (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)):
+        value = value.__wrapped__
+    return value
+
+
+def _named(module: str, qualname: str) -> Any:
+    """Unpickling a named function: whatever the receiving process holds under that name."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 _BOUNDARIES: dict[str, _Boundary] = {}
@@ -228,7 +249,21 @@ def _never_imported(module: str) -> str:
         missing = False
     if missing:
         return f"no module named {top} can be found (is it installed, or on sys.path?)"
-    return "its module was never imported"
+    return _NOT_IMPORTED
+
+
+_NOT_IMPORTED = "its module was never imported"
+
+
+def _a_helper_process() -> bool:
+    """A process started for other work than the rollouts (a multiprocessing child or its resource
+    tracker, ``python -c``, a Ray worker) that inherited the variables: not importing a named module
+    is what it is expected to do, so only a name that cannot be right anywhere is worth a line."""
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is not None and multiprocessing.parent_process() is not None:
+        return True
+    first = str((getattr(sys, "argv", None) or [""])[0])
+    return first in ("", "-c") or ("ray" in sys.modules and Path(first).name.startswith("default_worker"))
 
 
 class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
@@ -338,14 +373,14 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         """At exit: one warning per named function whose module was never imported, saying why."""
         if not self.active:
             return
+        helper = _a_helper_process()
         for name in self._names:
             module = name.partition(":")[0]
             if module not in sys.modules:
-                _faults.warn(
-                    "otel-session: trajectory function %s was never applied: %s",
-                    name,
-                    _never_imported(module),
-                )
+                why = _never_imported(module)
+                if helper and why == _NOT_IMPORTED:
+                    continue  # the rollouts run elsewhere: this process imports only what it needs
+                _faults.warn("otel-session: trajectory function %s was never applied: %s", name, why)
 
 
 class NeMoRLInstrumentor(TrajectoryFunctionsInstrumentor):
