@@ -126,12 +126,12 @@ _BAGGAGE_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*")
 
 
 def _our_members(headers: list[str]) -> dict[str, str]:
-    """Our keys' valid values in ``baggage`` headers, decoded and without properties; the last one
-    wins, as in the stock extractor."""
+    """Our keys' valid values among the first 180 members (W3C's limit) of all ``baggage`` lines,
+    decoded and without properties; the last one wins, as in the stock extractor."""
     found = {}
-    for header in headers:
-        for key, value, text in _w3c.decoded_members(header):
-            written = text.partition("=")[2].partition(";")[0].strip(" \t")
-            if key in (SESSION_KEY, PARENT_KEY) and _BAGGAGE_VALUE.fullmatch(written):
-                found[key] = value
+    members = [member for header in headers for member in _w3c.decoded_members(header)]
+    for key, value, text in members[: _w3c.MAX_MEMBERS]:
+        written = text.partition("=")[2].partition(";")[0].strip(" \t")
+        if key in (SESSION_KEY, PARENT_KEY) and _BAGGAGE_VALUE.fullmatch(written):
+            found[key] = value
     return found

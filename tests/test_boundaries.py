@@ -390,8 +390,8 @@ REFUSED = {
     "builtins:len": "not Python code of its own",
     "os:urandom": "not Python code of its own",
     "datetime:datetime.now": "not Python code of its own",
-    "opentelemetry.context:attach": "code otel-session itself runs",
-    "otel_session:current_session_id": "code otel-session itself runs",
+    "opentelemetry.context:attach": "code otel-session itself may run",
+    "otel_session:current_session_id": "code otel-session itself may run",
 }
 
 

@@ -959,6 +959,10 @@ def _canonical_name(name: str) -> str | None:
     labels = name.split(".")
     if any(label in IDN for label in labels) and any("_" in label for label in labels):
         return None
+    if all(label.isdigit() for label in labels) and not (
+        len(labels) == 4 and all(int(x) < 256 for x in labels)
+    ):
+        return None  # a number that is not a whole IPv4 address is no name: a resolver reads it as one
     return ".".join(IDN.get(label, label) for label in labels)
 
 

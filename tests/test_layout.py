@@ -26,7 +26,6 @@ CORE = (
     "otel_session._hop",
     "otel_session._carriers",
     "otel_session._propagator",
-    "otel_session._stock",
     "otel_session._trajectory",
     "otel_session._carry",
     "otel_session._config",
