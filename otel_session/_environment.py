@@ -27,8 +27,9 @@ def configure_from_environment() -> None:
         settings, warnings = _settings.build(lenient=True, servers_default=True)
         try:
             _config.install(settings, warnings)
-        except (ImportError, ValueError) as exc:
-            # Only tracing can fail here (a missing SDK, an unusable OTLP exporter setting).
+        except Exception as exc:
+            # Only tracing can fail here (a missing SDK, an exporter or processor that cannot start
+            # with the OTEL_* variables, whatever it raises): tracing off, the rest delivered.
             if not settings.tracing:
                 raise
             _faults.warn(

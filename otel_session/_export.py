@@ -111,7 +111,13 @@ class Outlet(SpanProcessor):
 
     def connect(self, exporter: SpanExporter) -> None:
         deadline_exporter = exporter if isinstance(exporter, DeadlineExporter) else DeadlineExporter(exporter)
-        self._pipeline = (BatchSpanProcessor(deadline_exporter), deadline_exporter)
+        try:
+            processor = BatchSpanProcessor(deadline_exporter)
+        except Exception as exc:  # it reads the OTEL_BSP_* variables itself
+            raise ValueError(
+                f"the OTEL_BSP_* variables: the batch span processor cannot start ({exc})"
+            ) from None
+        self._pipeline = (processor, deadline_exporter)
 
     def on_end(self, span: ReadableSpan) -> None:
         pipeline = self._pipeline
@@ -141,12 +147,15 @@ def _run_within(seconds: float, work: Callable[[], object], name: str) -> None:
     thread.join(seconds)
 
 
+MIN_EXPORT_TIMEOUT_S, MAX_EXPORT_TIMEOUT_S = 0.01, 3600.0
+
+
 def export_timeout() -> float:
     """Seconds each export may take in all: the variable's, or ``DEFAULT_EXPORT_TIMEOUT_S``.
 
-    A value that is not a positive finite number of seconds gets the default and one warning line
-    naming the variable, where the exporters would fall back to their own 10 s, or, for ``-1``, fail
-    every export at once.
+    A value that is not a number of seconds from 0.01 to 3600 gets the default and one warning line
+    naming the variable, where the exporters would fall back to their own 10 s, or fail every export
+    (``-1``, ``1e-9``: no time to connect; ``1e10``: a deadline past what the platform's clock holds).
     """
     variable = ENV_TRACES_TIMEOUT if os.environ.get(ENV_TRACES_TIMEOUT) else ENV_TIMEOUT
     raw = os.environ.get(variable)
@@ -156,10 +165,11 @@ def export_timeout() -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if math.isfinite(seconds) and seconds > 0:
+    if MIN_EXPORT_TIMEOUT_S <= seconds <= MAX_EXPORT_TIMEOUT_S:
         return seconds
     warn(
-        "otel-session: %s=%r is not a positive number of seconds; each trace export gives up after %s s",
+        "otel-session: %s=%r is not a number of seconds from 0.01 to 3600; each trace export gives up "
+        "after %s s",
         variable,
         raw,
         DEFAULT_EXPORT_TIMEOUT_S,
@@ -194,8 +204,14 @@ def otlp_exporter() -> SpanExporter:
             f"exporter cannot start with; fix or unset it"
         )
     timeout = export_timeout()
-    # Given explicitly, so neither exporter reads the variables again (with fallbacks of its own).
-    return DeadlineExporter(exporter_class(timeout=timeout), timeout)
+    try:  # given explicitly, so neither exporter reads the variables again (with fallbacks of its own)
+        exporter = exporter_class(timeout=timeout)
+    except Exception as exc:  # e.g. OTEL_EXPORTER_OTLP_COMPRESSION=bogus, which the exporter reads itself
+        raise ValueError(
+            f"the OTEL_EXPORTER_OTLP_* variables: the {protocol} exporter cannot start "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    return DeadlineExporter(exporter, timeout)
 
 
 def _is_number(raw: str) -> bool:

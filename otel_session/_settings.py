@@ -148,11 +148,9 @@ class _Reader:
     ) -> list[tuple[Profile, HostPattern]]:
         routes = [(DYNAMO, p) for p in self.patterns(dynamo_hosts, "dynamo_hosts", ENV_DYNAMO_HOSTS)]
         if routers is None:
-            try:
-                routers = parse_routers(os.environ.get(ENV_ROUTERS, ""))
-            except SettingError as exc:
-                self._fail(ENV_ROUTERS, str(exc), "no router is configured from it")
-                return routes
+            routers, malformed = parse_routers(os.environ.get(ENV_ROUTERS, ""))
+            for message in malformed:  # strict: the first raises; lenient: each left out, the rest read
+                self._fail(ENV_ROUTERS, message, "that entry is left out")
             name = ENV_ROUTERS
         else:
             name = "routers"
@@ -180,7 +178,23 @@ class _Reader:
                 except (TypeError, ValueError) as exc:
                     hint = " (separate routers with ';')" if "=" in item else ""
                     self._fail(name, f"{ENV_ROUTERS}: {profile_name}: {exc}{hint}", "that entry is left out")
-        return routes
+        return self._one_profile_per_pattern(routes, name)
+
+    def _one_profile_per_pattern(
+        self, routes: list[tuple[Profile, HostPattern]], name: str
+    ) -> list[tuple[Profile, HostPattern]]:
+        """A pattern given to two profiles: a destination gets one profile's header, so the first keeps it."""
+        kept: dict[HostPattern, Profile] = {}
+        for profile, pattern in routes:
+            first = kept.setdefault(pattern, profile)
+            if first is not profile:
+                self._fail(
+                    name,
+                    f"{name}: host pattern '{pattern}' is given to both {first.name} and {profile.name}, but "
+                    f"a destination gets one router's header",
+                    f"{first.name} keeps it",
+                )
+        return [(profile, pattern) for pattern, profile in kept.items()]
 
     def flag(
         self, argument: str, value: object, env: str, default: bool, fallback: bool, meaning: str
@@ -267,22 +281,24 @@ def build(
     return settings, reader.warnings
 
 
-def parse_routers(text: str, name: str = ENV_ROUTERS) -> dict[str, str]:
-    """``PROFILE=PATTERN[,PATTERN...]`` entries separated by ``;`` (blank entries skipped)."""
+def parse_routers(text: str) -> tuple[dict[str, str], list[str]]:
+    """``PROFILE=PATTERN[,PATTERN...]`` entries separated by ``;`` (blank entries skipped): the
+    routers read, and a message for each malformed entry (left out; the others still read)."""
     routers: dict[str, str] = {}
+    malformed = []
     for entry in text.split(";"):
         if not entry.strip():
             continue
         profile, sep, patterns = entry.partition("=")
         if not sep or not profile.strip() or not patterns.strip():
-            raise SettingError(
-                name,
-                f"{name}: {entry.strip()!r} is not PROFILE=PATTERN[,PATTERN...] "
-                "(entries separated by ';', e.g. 'vllm-router=10.0.0.5:8000;smg=*.gateway.internal')",
+            malformed.append(
+                f"{ENV_ROUTERS}: {entry.strip()!r} is not PROFILE=PATTERN[,PATTERN...] "
+                "(entries separated by ';', e.g. 'vllm-router=10.0.0.5:8000;smg=*.gateway.internal')"
             )
+            continue
         key = profile.strip()
         routers[key] = f"{routers[key]},{patterns}" if key in routers else patterns
-    return routers
+    return routers, malformed
 
 
 # The configuration installed by ``configure()``, or ``None`` before it / after ``unconfigure()``.

@@ -30,6 +30,8 @@ from __future__ import annotations
 import atexit
 import importlib
 import importlib.util
+import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -118,16 +120,21 @@ def _start(upstream: Sequence[tuple[str, str]]) -> None:
     except ImportError as exc:
         raise ImportError(f"{exc}: {INSTALL_HINT}") from exc
     if _provider is None or _outlet is None:
-        _outlet = Outlet()
+        outlet = Outlet()
+        outlet.connect(exporter)  # first: a pipeline that cannot start must leave the global provider alone
         _provider = TracerProvider(resource=Resource.create(), shutdown_on_exit=False)
         _provider.add_span_processor(_span_processor.SessionSpanProcessor())
-        _provider.add_span_processor(_outlet)
+        _provider.add_span_processor(outlet)
+        _outlet = outlet
         if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
             trace.set_tracer_provider(_provider)
         _owns_global = trace.get_tracer_provider() is _provider
-    _outlet.connect(exporter)
+    else:
+        _outlet.connect(exporter)
     _quiet(_provider, False)
-    _instrumented[:] = _instrument_clients(_provider, upstream)
+    # An application with an SDK provider of its own instruments its clients itself, into its
+    # provider, whenever it likes: instrumenting them here first would turn its own call into a no-op.
+    _instrumented[:] = _instrument_clients(_provider, upstream) if _owns_global else []
     _tracer = _provider.get_tracer(_TRACER_NAME)
     if not _exit_hook_registered:
         atexit.register(_at_exit)
@@ -174,6 +181,35 @@ def _at_exit() -> None:
     with _lock:
         if _tracer is not None:
             _stop()
+
+
+_forkers: list[object] = []  # the provider whose multiprocessing children flush at their exit
+
+
+def _flush_in_multiprocessing_children() -> None:
+    """``os.register_at_fork`` hook, before a fork: a multiprocessing worker leaves through
+    ``os._exit``, past ``atexit``, so while tracing is on its spans are flushed (bounded, as at exit) by
+    multiprocessing's own finalizers, which it runs before leaving. Registered with multiprocessing's
+    after-fork hooks, since a worker clears its finalizers as it starts."""
+    if _tracer is None or _provider in _forkers or "multiprocessing" not in sys.modules:
+        return
+    try:
+        import multiprocessing.util
+
+        multiprocessing.util.register_after_fork(_provider, _flush_at_worker_exit)
+        _forkers[:] = [_provider]
+    except Exception as exc:
+        _faults.report("flushing forked workers' spans", exc)
+
+
+def _flush_at_worker_exit(_: object) -> None:
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, _at_exit, exitpriority=0)
+
+
+if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
+    os.register_at_fork(before=_flush_in_multiprocessing_children)
 
 
 def _instrument_clients(tracer_provider: TracerProvider, upstream: Sequence[tuple[str, str]]) -> list[Any]:

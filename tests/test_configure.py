@@ -206,7 +206,7 @@ def test_an_environment_router_entry_keeps_its_good_patterns(
 
 
 def test_add_dynamo_hosts_hands_children_every_dynamo_host_in_force(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OTEL_SESSION_DYNAMO_HOSTS", raising=False)
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "")  # restored after the test, whatever it writes
     otel_session.configure(dynamo_hosts=["127.0.0.1:18101", "https://dyn:8443"], trusted_hosts=["gym:1"])
     entries = otel_session.add_dynamo_hosts("127.0.0.1:18102")
     assert sorted(entries) == ["127.0.0.1:18101", "127.0.0.1:18102", "https://dyn:8443"]
@@ -260,3 +260,28 @@ def test_configuring_again_from_the_same_variables_says_each_warning_once(
 )
 def test_a_base_url_copied_without_its_scheme_still_reads_as_its_host(spelling: str, means: str) -> None:
     assert f"dynamo=[{means}]" in repr(otel_session.configure(dynamo_hosts=[spelling]).rules)
+
+
+def test_a_malformed_routers_entry_leaves_the_others_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_session import _settings
+
+    monkeypatch.setenv("OTEL_SESSION_ROUTERS", "vllm-router=vr:1;smg=gw:2;garbage;litellm=")
+    settings, warnings = _settings.build(lenient=True)
+    assert "vllm-router=[vr:1]" in repr(settings.rules) and "smg=[gw:2]" in repr(settings.rules)
+    assert len(warnings) == 2 and all("is not PROFILE=PATTERN" in w for w in warnings)
+    with pytest.raises(SettingError, match="'garbage' is not PROFILE=PATTERN"):
+        otel_session.configure()  # in code, the variable's first malformed entry is an error
+
+
+def test_one_pattern_given_to_two_routers_is_refused_or_kept_by_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from otel_session import _settings
+
+    with pytest.raises(SettingError, match="given to both dynamo and smg"):
+        otel_session.configure(dynamo_hosts=["gw:1"], routers={"smg": ["gw:1"]})
+    monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "gw:1")
+    monkeypatch.setenv("OTEL_SESSION_ROUTERS", "smg=gw:1,other:2")
+    settings, [warning] = _settings.build(lenient=True)
+    assert "dynamo keeps it" in warning
+    assert repr(settings.rules) == "HostRules(routers: dynamo=[gw:1], smg=[other:2]; trusted: [])"

@@ -548,3 +548,137 @@ async def test_off_uninstruments_and_on_again_exports_to_the_new_endpoint(
     finally:
         first.close()
         second.close()
+
+
+# --- found by an outside attack on tracing (each failed before its fix) ------------------------------
+
+
+def test_an_exporter_that_cannot_start_in_zero_code_mode_is_one_line_and_sessions_still_flow(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    """The gRPC exporter raises its own exception type for a bad compression variable; zero-code mode
+    caught only ValueError and ImportError, so the whole library stayed off with a traceback."""
+    dynamo = servers[0]
+    done = _run(
+        tmp_path,
+        """
+        import sys, httpx, otel_session
+        with otel_session.trajectory():
+            httpx.get(f"http://{sys.argv[1]}/step")
+        """,
+        {
+            "OTEL_SESSION_AUTO": "true",
+            "OTEL_SESSION_TRACING": "true",
+            "OTEL_SESSION_DYNAMO_HOSTS": dynamo.authority,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_COMPRESSION": "bogus",
+        },
+        dynamo.authority,
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if "cannot start" in line]
+    assert "OTEL_EXPORTER_OTLP_" in line and "tracing stays off" in line
+    assert dynamo.headers("x-dynamo-session-id")[0]
+
+
+def test_a_configure_whose_tracing_cannot_start_leaves_the_global_provider_to_the_app(tmp_path: Path) -> None:
+    done = _run(
+        tmp_path,
+        """
+        import otel_session
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        try:
+            otel_session.configure(dynamo_hosts=["dynamo:8000"], tracing=True)
+        except ValueError as exc:
+            print("refused:", exc)
+        assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+        mine = TracerProvider()
+        trace.set_tracer_provider(mine)
+        assert trace.get_tracer_provider() is mine
+        print("app provider in force")
+        """,
+        {"OTEL_BSP_MAX_QUEUE_SIZE": "-5"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused: the OTEL_BSP_* variables" in done.stdout and "app provider in force" in done.stdout
+
+
+def test_an_app_with_its_own_provider_instruments_its_clients_itself_after_configure(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    dynamo = servers[0]
+    done = _run(
+        tmp_path,
+        """
+        import sys, httpx, otel_session
+        from opentelemetry import trace
+        from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        mine = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(mine))
+        trace.set_tracer_provider(provider)
+        otel_session.configure(dynamo_hosts=[sys.argv[1]], tracing=True)
+        HTTPXClientInstrumentor().instrument()
+        with otel_session.trajectory():
+            httpx.get(f"http://{sys.argv[1]}/step")
+        print([span.name for span in mine.get_finished_spans()])
+        """,
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"},
+        dynamo.authority,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "GET" in done.stdout and "already instrumented" not in done.stderr
+
+
+def test_spans_of_a_forked_pools_workers_are_exported_when_the_pool_closes(
+    servers: tuple[HeaderServer, HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    """Pool workers leave through os._exit, past atexit: their queued spans were lost."""
+    dynamo = servers[0]
+    collector = OtlpHttpReceiver()
+    try:
+        done = _run(
+            tmp_path,
+            """
+            import sys, multiprocessing, httpx, otel_session
+            otel_session.configure(dynamo_hosts=[sys.argv[1]], tracing=True)
+
+            def rollout(index):
+                with otel_session.trajectory(attempt=index):
+                    httpx.get(f"http://{sys.argv[1]}/step")
+
+            if __name__ == "__main__":
+                with otel_session.trajectory():  # the parent's own, exported at its exit as usual
+                    pass
+                pool = multiprocessing.get_context("fork").Pool(2)
+                pool.map(rollout, range(4))
+                pool.close()
+                pool.join()
+            """,
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint},
+            dynamo.authority,
+        )
+        assert done.returncode == 0, done.stderr
+        found = collector.wait_for(lambda spans: sum(s.name == "trajectory" for s in spans) >= 5, timeout=10)
+        attempts = sorted(
+            s.attributes.get("otel_session.attempt", -1) for s in found if s.name == "trajectory"
+        )
+        assert attempts == [-1, 0, 1, 2, 3]
+    finally:
+        collector.close()
+
+
+@pytest.mark.parametrize("value", ["1e10", "1e-9", "inf", "-1"])
+def test_an_export_timeout_no_exporter_can_use_gets_the_default_and_one_line(
+    value: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otel_session import _export
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", value)
+    with caplog.at_level("WARNING", logger="otel_session"):
+        assert _export.export_timeout() == _export.DEFAULT_EXPORT_TIMEOUT_S
+    assert [r for r in caplog.records if "from 0.01 to 3600" in r.getMessage()]
