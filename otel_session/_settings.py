@@ -4,7 +4,8 @@ A ``Settings`` is immutable and swapped whole by ``configure()``, so hooks runni
 always see one whole configuration, never half of an old one and half of a new one. It is built
 field by field, each from its argument or else its variable, and a bad one is a ``SettingError``
 naming that argument or variable. Zero-code mode builds it leniently: a variable that cannot be
-read costs one warning and its fallback, and a pattern list keeps its good entries.
+read costs one warning and its fallback, and a pattern list keeps its good entries. (Over 300 lines:
+nine arguments and their variables, each read strictly and leniently, in one place.)
 """
 
 from __future__ import annotations
