@@ -63,24 +63,8 @@ def install(settings: Settings, warnings: list[str] | None = None) -> None:
     """Put ``settings`` in force with everything they ask for; on failure (tracing that cannot
     start) the previous configuration stays in force. Warnings are logged once the lock is released,
     each once until ``unconfigure()``."""
-    warnings = list(warnings or [])
-    hosts_refused = any(
-        f"otel-session: {name}:" in warning
-        for warning in warnings
-        for name in (_settings.ENV_DYNAMO_HOSTS, _settings.ENV_TRUSTED_HOSTS, _settings.ENV_ROUTERS)
-    )
-    if not settings.rules and hosts_refused:
-        warnings.append(
-            "otel-session: no router or trusted host is left once the entries above are left out, so no "
-            "request will carry a session"
-        )
-    elif not settings.rules:
-        warnings.append(
-            "otel-session: no routers or trusted hosts configured, so no request will carry a session; "
-            f"pass dynamo_hosts=[...] or set {_settings.ENV_DYNAMO_HOSTS} (or {_settings.ENV_ROUTERS})"
-        )
     with _faults.deferred():
-        _warn_new(warnings)
+        _warn_new(warnings or [])
         with _lock, _stock.settling():
             _install(settings)
 
@@ -207,7 +191,9 @@ def activate_environment() -> None:
     Tracing stays with whoever installed the SDK. A variable that cannot be read is one warning line
     and its fallback; a stock propagator that would leak is another warning, saying what to set.
     """
-    settings, warnings = _settings.build(tracing=False, lenient=True, servers_default=True)
+    settings, warnings = _settings.build(
+        tracing=False, lenient=True, servers_default=True, say_if_empty=False
+    )
     with _faults.deferred():
         _warn_new(warnings)
         with _lock:

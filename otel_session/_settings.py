@@ -111,10 +111,12 @@ class _Reader:
     def __init__(self, lenient: bool) -> None:
         self.lenient = lenient
         self.warnings: list[str] = []
+        self.failed: set[str] = set()  # the variables something was left out of (lenient)
 
     def _fail(self, name: str, message: str, consequence: str) -> None:
         if not self.lenient:
             raise SettingError(name, message)
+        self.failed.add(name)
         named = message if name in message else f"{message} ({name})"  # the variable named once
         self.warnings.append(f"otel-session: {named}; {consequence}, the rest is delivered as usual")
 
@@ -256,9 +258,11 @@ def build(
     *,
     lenient: bool = False,
     servers_default: bool = False,
+    say_if_empty: bool = True,
 ) -> tuple[Settings, list[str]]:
     """Settings from arguments, each missing one read from its ``OTEL_SESSION_*`` variable, and the
-    warnings to log (once no lock is held: a handler of the application's may call back into us)."""
+    warnings to log (once no lock is held: a handler of the application's may call back into us).
+    ``say_if_empty``: a configuration with no router or trusted host at all is a warning too."""
     reader = _Reader(lenient)
     routes = reader.routes(dynamo_hosts, routers)
     trusted = reader.patterns(trusted_hosts, "trusted_hosts", ENV_TRUSTED_HOSTS)
@@ -279,6 +283,17 @@ def build(
         adopt=reader.adopt(),
         trajectory_functions=reader.functions(trajectory_functions),
     )
+    if say_if_empty and not settings.rules:
+        if reader.failed & {ENV_DYNAMO_HOSTS, ENV_TRUSTED_HOSTS, ENV_ROUTERS}:
+            reader.warnings.append(
+                "otel-session: no router or trusted host is left once the entries above are left out, "
+                "so no request will carry a session"
+            )
+        else:
+            reader.warnings.append(
+                "otel-session: no routers or trusted hosts configured, so no request will carry a "
+                f"session; pass dynamo_hosts=[...] or set {ENV_DYNAMO_HOSTS} (or {ENV_ROUTERS})"
+            )
     return settings, reader.warnings
 
 
