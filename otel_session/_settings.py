@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from otel_session._hosts import HostPattern, HostRules, parse_patterns
+from otel_session._hosts import HostPattern, HostRules
 from otel_session._routers import DYNAMO, Profile, profile_named
 
 ENV_DYNAMO_HOSTS = "OTEL_SESSION_DYNAMO_HOSTS"
@@ -135,16 +135,23 @@ class _Reader:
         """Host patterns, entry by entry: a variable's bad entry is left out (lenient) or raises."""
         name = argument if value is not None else env
         items = self._items(value if value is not None else os.environ.get(env, ""), name)
+        return tuple(self._each(items, name, name, strict=value is not None))
+
+    def _each(
+        self, items: list[str], name: str, label: str, *, strict: bool, routers: bool = False
+    ) -> list[HostPattern]:
+        """Each item as a host pattern. A bad one raises, naming the argument, where ``strict``, or is
+        left out with one warning naming the variable (zero-code mode); ``label`` heads the message."""
         found = []
         for item in items:
             try:
                 found.append(HostPattern.parse(item))
             except (TypeError, ValueError) as exc:
-                message = f"{argument if value is not None else env}: {exc}"
-                if value is not None:
-                    raise SettingError(argument, message) from None
-                self._fail(env, message, "that entry is left out")
-        return tuple(found)
+                if strict:
+                    raise SettingError(name, f"{label}: {exc}") from None
+                hint = " (separate routers with ';')" if routers and "=" in str(item) else ""
+                self._fail(name, f"{label}: {exc}{hint}", "that entry is left out")
+        return found
 
     def routes(
         self, dynamo_hosts: Patterns | None, routers: Routers | None
@@ -161,26 +168,19 @@ class _Reader:
             raise SettingError(
                 "routers", f"routers must be a mapping of profile -> patterns, not {type(routers).__name__}"
             )
+        strict = name != ENV_ROUTERS
         for profile_name, patterns in routers.items():
             try:
                 profile = profile_named(profile_name)
             except (TypeError, ValueError) as exc:
-                if name != ENV_ROUTERS:
+                if strict:
                     raise SettingError(name, f"routers: {exc}") from None
                 self._fail(name, f"{ENV_ROUTERS}: {exc}", f"router {profile_name!r} is not configured")
                 continue
-            if name != ENV_ROUTERS:
-                try:
-                    routes.extend((profile, pattern) for pattern in parse_patterns(patterns))
-                except (TypeError, ValueError) as exc:
-                    raise SettingError(name, f"routers[{profile_name!r}]: {exc}") from None
-                continue
-            for item in self._items(patterns, name):  # a variable: each bad pattern left out alone
-                try:
-                    routes.append((profile, HostPattern.parse(item)))
-                except (TypeError, ValueError) as exc:
-                    hint = " (separate routers with ';')" if "=" in item else ""
-                    self._fail(name, f"{ENV_ROUTERS}: {profile_name}: {exc}{hint}", "that entry is left out")
+            label = f"routers[{profile_name!r}]" if strict else f"{ENV_ROUTERS}: {profile_name}"
+            items = [] if patterns is None else self._items(patterns, label)
+            found = self._each(items, name, label, strict=strict, routers=True)
+            routes += [(profile, pattern) for pattern in found]
         return self._one_profile_per_pattern(routes, name)
 
     def _one_profile_per_pattern(
