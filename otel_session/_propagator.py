@@ -12,7 +12,6 @@ where it must not go, recognising our baggage members however they were encoded.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from opentelemetry import baggage, propagate
@@ -120,18 +119,12 @@ def extract_session(carrier: Any, context: Context | None, getter: Getter[Any] =
     return ctx
 
 
-# W3C baggage-octet, as written on the wire (percent escapes included): a DQUOTE, comma, semicolon,
-# backslash, space or control character makes the member invalid, as the stock extractor holds it.
-_BAGGAGE_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*")
-
-
 def _our_members(headers: list[str]) -> dict[str, str]:
     """Our keys' valid values among the first 180 members (W3C's limit) of all ``baggage`` lines,
     decoded and without properties; the last one wins, as in the stock extractor."""
     found = {}
     members = [member for header in headers for member in _w3c.decoded_members(header)]
     for key, value, text in members[: _w3c.MAX_MEMBERS]:
-        written = text.partition("=")[2].partition(";")[0].strip(" \t")
-        if key in (SESSION_KEY, PARENT_KEY) and _BAGGAGE_VALUE.fullmatch(written):
+        if key in (SESSION_KEY, PARENT_KEY) and _w3c.well_formed_value(text):
             found[key] = value
     return found

@@ -59,6 +59,16 @@ def _parts(header: str) -> list[str]:
     return [part.strip(_OWS) for part in header.split(",") if part.strip(_OWS)]
 
 
+# baggage-octet as written on the wire (percent escapes included): a DQUOTE, comma, semicolon,
+# backslash, space or control character in a value makes the member invalid, as the stock extractor holds.
+_WRITTEN_VALUE = re.compile(r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*")
+
+
+def well_formed_value(member_text: str) -> bool:
+    """Whether a member, as written, has a value of baggage-octets only (its properties aside)."""
+    return _WRITTEN_VALUE.fullmatch(member_text.partition("=")[2].partition(";")[0].strip(_OWS)) is not None
+
+
 def decoded_members(header: str) -> list[tuple[str, str, str]]:
     """(decoded key, decoded value, member text as written) for each well-formed member of ``header``."""
     found = []
