@@ -183,7 +183,7 @@ def _at_exit() -> None:
             _stop()
 
 
-_forkers: list[object] = []  # the provider whose multiprocessing children flush at their exit
+_forkers_flush = False  # multiprocessing's children flush at their exit (our provider is made once)
 
 
 def _flush_in_multiprocessing_children() -> None:
@@ -191,13 +191,14 @@ def _flush_in_multiprocessing_children() -> None:
     ``os._exit``, past ``atexit``, so while tracing is on its spans are flushed (bounded, as at exit) by
     multiprocessing's own finalizers, which it runs before leaving. Registered with multiprocessing's
     after-fork hooks, since a worker clears its finalizers as it starts."""
-    if _tracer is None or _provider in _forkers or "multiprocessing" not in sys.modules:
+    global _forkers_flush
+    if _tracer is None or _forkers_flush or "multiprocessing" not in sys.modules:
         return
     try:
         import multiprocessing.util
 
         multiprocessing.util.register_after_fork(_provider, _flush_at_worker_exit)
-        _forkers[:] = [_provider]
+        _forkers_flush = True
     except Exception as exc:
         _faults.report("flushing forked workers' spans", exc)
 
