@@ -66,7 +66,7 @@ _WORDS = (
     "session worker router prefix cache token model request response latency stream agent tool user "
     "reward policy gradient rollout episode trajectory sample batch decode prefill attention layer "
     "block memory transfer metric export python rust function method value string list file path"
-).split()
+).split()  # noqa: SIM905 (one word list, easier to read as text)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class Cell:
     prompts: int
     siblings: int
     turns: int = 4
-    prompt_words: int = 1000
+    prompt_words: int = 1300
     turn_words: int = 100
     pause_secs: float = 0.2
     max_tokens: int = 16
@@ -206,7 +206,9 @@ async def _attempt(client: Any, model: str, cell: Cell, seed: int, p: int, s: in
     return result
 
 
-async def run_step(base_url: str, model: str, cell: Cell, keying: str, seed: int) -> tuple[list[Attempt], float]:
+async def run_step(
+    base_url: str, model: str, cell: Cell, keying: str, seed: int
+) -> tuple[list[Attempt], float]:
     """One GRPO step, every trajectory started at once; returns the attempts and the wall time."""
     import openai
 
@@ -307,7 +309,9 @@ def measure(attempts: Sequence[Attempt], cell: Cell, wall: float) -> dict[str, A
         "workers_used": len({r.worker for r in reqs if r.worker is not None}),
         "switches": statistics.fmean(switches) if switches else 0.0,
         "pinned": pinned,
-        "workers_per_prompt_turn1": statistics.fmean(len(w) for w in by_prompt.values()) if by_prompt else 0.0,
+        "workers_per_prompt_turn1": statistics.fmean(len(w) for w in by_prompt.values())
+        if by_prompt
+        else 0.0,
         "wall_s": wall,
     }
 
@@ -347,7 +351,9 @@ def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
     return row
 
 
-def run_cell(cell: Cell, arms: Sequence[Arm], repeats: int, seed0: int, sink: list[dict[str, Any]], out: Path | None) -> None:
+def run_cell(
+    cell: Cell, arms: Sequence[Arm], repeats: int, seed0: int, sink: list[dict[str, Any]], out: Path | None
+) -> None:
     for rep in range(repeats):
         order = list(arms[rep % len(arms) :]) + list(arms[: rep % len(arms)])
         for arm in order:
@@ -374,8 +380,8 @@ def _line(r: dict[str, Any]) -> str:
         f"| {r['cell']} | {r['arm']} | {r.get('repeat', 0)} | {r['hit_rate']:.3f} | {r['ceiling']:.3f} | "
         f"{r['hit_rate_all']:.3f} | {r['ceiling_all']:.3f} | {_fmt(r['ttft_ms'], '.0f')} | "
         f"{_fmt(r['ttft_p90_ms'], '.0f')} | {_fmt(r['ttft_all_ms'], '.0f')} | {r['turns_per_s']:.1f} | "
-        f"{r['balance']:.2f} | {r['workers_used']} | {r['switches']:.2f} | {r['pinned']}/{r['trajectories']} | "
-        f"{r['errors']} | {r['load_before']:.1f} |"
+        f"{r['balance']:.2f} | {r['workers_used']} | {r['switches']:.2f} | "
+        f"{r['pinned']}/{r['trajectories']} | {r['errors']} | {r['load_before']:.1f} |"
     )
 
 
@@ -397,7 +403,8 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
         "|" + "---|" * 16,
     ]
     for (cell, arm), rs in keys.items():
-        def col(key: str, spec: str) -> str:
+
+        def col(key: str, spec: str, rs: list[dict[str, Any]] = rs) -> str:
             return _span([r[key] for r in rs if r[key] is not None], spec)
 
         lines.append(
@@ -418,7 +425,18 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families = sorted({(r["blocks"], r["siblings"], round(r["in_flight_per_worker"], 2) if "in_flight_per_worker" in r else r["prompts"] * r["siblings"] / r["workers"]) for r in rows})
+    families = sorted(
+        {
+            (
+                r["blocks"],
+                r["siblings"],
+                round(r["in_flight_per_worker"], 2)
+                if "in_flight_per_worker" in r
+                else r["prompts"] * r["siblings"] / r["workers"],
+            )
+            for r in rows
+        }
+    )
     fig, axes = plt.subplots(len(families), 2, figsize=(12, 3.6 * len(families)), squeeze=False)
     arms = [a for a in ARMS if any(r["arm"] == a for r in rows)]
     colors = plt.get_cmap("tab10")
@@ -436,7 +454,12 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
             if not pts:
                 continue
             xs = sorted(pts)
-            style = {"color": colors(i), "marker": "o", "label": arm, "linestyle": "-" if "kv" in arm else "--"}
+            style = {
+                "color": colors(i),
+                "marker": "o",
+                "label": arm,
+                "linestyle": "-" if "kv" in arm else "--",
+            }
             for ax, key in ((row_axes[0], "hit_rate"), (row_axes[1], "ttft_all_ms")):
                 means = [statistics.fmean(r[key] for r in pts[x]) for x in xs]
                 ax.plot(xs, means, **style)
@@ -444,11 +467,15 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
                     ax.scatter([x] * len(pts[x]), [r[key] for r in pts[x]], color=colors(i), s=8, alpha=0.4)
         ceilings = [r["ceiling"] for r in fam]
         if ceilings:
-            row_axes[0].axhline(statistics.fmean(ceilings), color="black", linewidth=0.8, linestyle=":", label="ceiling")
+            row_axes[0].axhline(
+                statistics.fmean(ceilings), color="black", linewidth=0.8, linestyle=":", label="ceiling"
+            )
         for ax in row_axes:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("workers")
-        row_axes[0].set_title(f"hit rate, turns 2+ ({blocks} blocks/worker, G={siblings}, {flight:g} traj/worker)")
+        row_axes[0].set_title(
+            f"hit rate, turns 2+ ({blocks} blocks/worker, G={siblings}, {flight:g} traj/worker)"
+        )
         row_axes[1].set_title("mean TTFT, all turns (ms)")
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=8, frameon=False)
@@ -466,7 +493,7 @@ def _save(rows: Sequence[dict[str, Any]], out: Path) -> None:
 ISSUE_CELLS = ["32:1024:16:8", "32:8192:16:8", "64:1024:8:16"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 workers, 4 arms, 1 repeat (CI)")
     parser.add_argument("--cells", default="issue", help="'issue' or W:B:P:G[,...]")
@@ -477,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args(argv)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = sink if sink is not None else []
     if args.plot_only or args.append:
         with contextlib.suppress(FileNotFoundError):
             rows = json.loads(args.out.read_text())["rows"]

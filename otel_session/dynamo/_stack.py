@@ -218,8 +218,8 @@ class LocalDynamo:
     ``workers_per_process`` puts that many workers in each mocker process (``--num-workers``): a
     fleet of hundreds fits one process, and :attr:`worker_ids` lists every worker's instance id; the
     processes in :attr:`workers` then stand for groups of workers (``instance_id`` stays ``None``
-    unless a process hosts exactly one). ``startup_timeout`` counts from the first process spawned: installing Dynamo and building the
-    model directory come before it.
+    unless a process hosts exactly one). ``startup_timeout`` counts from the first process spawned:
+    installing Dynamo and building the model directory come before it.
 
     Arguments are checked here, with the same checks as the ``otel-session`` command: ``router_mode``
     one of :data:`~otel_session.dynamo._checks.ROUTER_MODES`, ``affinity_mode`` ``"hard"`` or

@@ -1,0 +1,62 @@
+"""Two Dynamo frontends over the same workers behind a real nginx (Debian's package, on loopback).
+
+Dynamo 1.3.0.post1's frontends do not share session bindings: a balancer that spreads one session's
+turns over both frontends splits it, unless it hashes ``X-Dynamo-Session-ID`` consistently, the
+recipe docs/integrations.md gives (benchmarks/frontends.py, whose config this runs). The frontends
+route at random, so a split session lands on one worker only by chance (1 in 4 per trajectory).
+Dynamo 1.6.1 shares bindings between replicas: there round-robin in front keeps sessions pinned.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks.frontends import Nginx, measure, nginx_binary, two_frontends
+from otel_session.dynamo.workload import Workload
+from tests.dynamo_fixtures import dynamo_python_for
+
+pytestmark = pytest.mark.slow
+
+WORKLOAD = Workload(prompts=9, siblings=1, turns=4, prompt_words=200, turn_words=30)
+
+
+@pytest.fixture(scope="module")
+def nginx_ok() -> None:
+    if nginx_binary() is None:
+        if os.environ.get("OTEL_SESSION_REQUIRE_DYNAMO") == "1":
+            pytest.fail("nginx is not installed; scripts/test installs it (apt-get install nginx-light)")
+        pytest.skip("nginx is not installed")
+
+
+def test_nginx_hashing_the_session_header_pins_sessions_over_two_1_3_frontends(nginx_ok: None) -> None:
+    python = dynamo_python_for("1.3.0.post1")
+    with two_frontends(python, "random", replica_sync=False) as stack:
+        hashed = measure(stack, hash_session=True, sessions=True, workload=WORKLOAD, concurrency=3)
+        spread = measure(stack, hash_session=False, sessions=True, workload=WORKLOAD, concurrency=3)
+    assert hashed.errors == spread.errors == 0
+    assert hashed.pinned == hashed.trajectories == 9
+    # Without the hash each frontend binds the session on its own: at most 1 in 4 stays together by
+    # chance (9 trajectories: P(7 or more pinned) < 1e-3).
+    assert spread.pinned <= 6, spread
+
+
+def test_1_6_frontends_share_bindings_so_round_robin_in_front_keeps_sessions(nginx_ok: None) -> None:
+    with two_frontends(None, "random", replica_sync=False) as stack:
+        spread = measure(stack, hash_session=False, sessions=True, workload=WORKLOAD, concurrency=3)
+        control = measure(stack, hash_session=False, sessions=False, workload=WORKLOAD, concurrency=3)
+    assert spread.errors == control.errors == 0
+    assert spread.pinned == 9
+    assert control.pinned <= 6, control  # no session: random routing scatters the turns
+
+
+def test_nginx_is_stopped_by_pid_and_leaves_nothing(nginx_ok: None) -> None:
+    nginx = Nginx(["127.0.0.1:9"], hash_session=True).start()
+    assert nginx.proc is not None and nginx.dir is not None
+    pid, conf = nginx.proc.pid, nginx.dir / "nginx.conf"
+    assert "hash $http_x_dynamo_session_id consistent;" in conf.read_text()
+    nginx.stop()
+    assert not conf.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
