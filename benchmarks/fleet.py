@@ -62,11 +62,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 AFFINITY_TTL = 300
 SAMPLE_SECONDS = 0.02
-_WORDS = (
+_VOCABULARY = (
     "session worker router prefix cache token model request response latency stream agent tool user "
     "reward policy gradient rollout episode trajectory sample batch decode prefill attention layer "
     "block memory transfer metric export python rust function method value string list file path"
-).split()  # noqa: SIM905 (one word list, easier to read as text)
+)
+_WORDS = _VOCABULARY.split()
 
 
 @dataclass(frozen=True)

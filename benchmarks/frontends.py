@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     print(
-        "| Dynamo | replica sync | balancer | sessions | router | pinned | hit 2+ | ceiling | TTFT ms | errors "
-        "| load |"
+        "| Dynamo | replica sync | balancer | sessions | router | pinned | hit 2+ | ceiling | TTFT ms "
+        "| errors | load |"
     )
     print("|" + "---|" * 11)
     for rep in range(args.repeats):
