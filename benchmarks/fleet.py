@@ -419,6 +419,46 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def versus_kv(rows: Sequence[dict[str, Any]]) -> str:
+    """Each arm against kv routing alone in the same cell, means over repeats: the hit rate of turns
+    2+ and of all turns (a difference), mean TTFT of all turns and of turns 2+ (a ratio), and
+    "worse" when the hit rate is lower by more than 0.01 or the mean TTFT (all turns) is above the
+    slowest of kv's own repeats, i.e. outside kv's spread."""
+    cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        cells.setdefault(r["cell"], {}).setdefault(r["arm"], []).append(r)
+    lines = [
+        "| cell | arm | d hit 2+ | d hit all | TTFT all x kv | TTFT 2+ x kv | balance | verdict |",
+        "|" + "---|" * 8,
+    ]
+    for cell, arms in cells.items():
+        base = arms.get("kv")
+        if not base:
+            continue
+
+        def mean(rs: list[dict[str, Any]], key: str) -> float:
+            return statistics.fmean(r[key] for r in rs if r[key] is not None)
+
+        kv_slowest = max(r["ttft_all_ms"] for r in base)
+        for arm, rs in arms.items():
+            if arm == "kv":
+                continue
+            d_hit = mean(rs, "hit_rate") - mean(base, "hit_rate")
+            d_all = mean(rs, "hit_rate_all") - mean(base, "hit_rate_all")
+            worse = []
+            if d_hit < -0.01:
+                worse.append("hit")
+            if mean(rs, "ttft_all_ms") > kv_slowest:
+                worse.append("TTFT")
+            lines.append(
+                f"| {cell} | {arm} | {d_hit:+.3f} | {d_all:+.3f} | "
+                f"{mean(rs, 'ttft_all_ms') / mean(base, 'ttft_all_ms'):.2f} | "
+                f"{mean(rs, 'ttft_ms') / mean(base, 'ttft_ms'):.2f} | {mean(rs, 'balance'):.1f} | "
+                f"{'worse: ' + ', '.join(worse) if worse else 'not worse'} |"
+            )
+    return "\n".join(lines)
+
+
 def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Hit rate 2+ and mean TTFT against workers, one line per arm, a row of panels per step shape."""
     import matplotlib
@@ -525,6 +565,8 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
             run_cell(cell, arms, repeats, args.seed, rows, None if args.quick else args.out)
     print()
     print(summary_table(rows))
+    print()
+    print(versus_kv(rows))
     if not args.quick:
         _save(rows, args.out)
         chart(rows, args.out.with_suffix(".png"))

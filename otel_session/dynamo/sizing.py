@@ -17,6 +17,8 @@ at debug level, not to the frontend's path: a frontend never routes a new sessio
 
 from __future__ import annotations
 
+import math
+
 #: Dynamo's session affinity table (1.3.0.post1 and 1.6.1).
 TABLE_SIZE = 65_536
 #: Plan for at most this share of the table: trajectory starts come in bursts (a GRPO step starts a
@@ -70,3 +72,46 @@ def sizing_note(trajectories_per_second: float | None = None, ttl_secs: int | No
                 f"{held:,.0f} bindings of {TABLE_SIZE:,} ({verdict})."
             )
     return lines
+
+
+def step_bindings(per_step: int, step_secs: float, ttl_secs: float, trajectory_secs: float = 0.0) -> int:
+    """Bindings held just after a GRPO step starts: its own ``per_step`` at once, plus every earlier
+    step's still inside its TTL (a step's bindings live ``trajectory_secs + ttl_secs`` from its start).
+    The rate rule's ``per_step / step_secs x TTL``, counted in whole steps, burst included."""
+    if per_step <= 0:
+        return 0
+    if step_secs <= 0:
+        return per_step  # a single step: nothing earlier to count
+    alive = max(1, math.ceil((max(0.0, trajectory_secs) + max(0.0, ttl_secs)) / step_secs))
+    return per_step * alive
+
+
+def largest_step_ttl(per_step: int, step_secs: float, trajectory_secs: float = 0.0) -> int | None:
+    """The longest whole-second TTL keeping :func:`step_bindings` within the budget, or ``None`` when
+    no TTL does: one step alone starts more sessions than the budget holds."""
+    steps = BUDGET // per_step if per_step > 0 else 0
+    if steps < 1:
+        return None
+    ttl = math.floor(steps * step_secs - max(0.0, trajectory_secs))
+    return ttl if ttl >= 1 else None
+
+
+def step_note(
+    per_step: int, step_secs: float, ttl_secs: int | None = None, trajectory_secs: float = 0.0
+) -> str:
+    """The doctor's line for a GRPO run: a step of ``per_step`` trajectories every ``step_secs``."""
+    limit = largest_step_ttl(per_step, step_secs, trajectory_secs)
+    head = f"GRPO steps of {per_step:,} trajectories every {step_secs:g} s"
+    if limit is None:
+        return (
+            f"{head}: more than {BUDGET:,} new sessions within one TTL; no TTL fits: start fewer "
+            f"trajectories per step, or expect {FULL_ANSWER} for the sessions past the table"
+        )
+    if ttl_secs is None:
+        return f"{head}: a TTL of at most {limit} s."
+    held = step_bindings(per_step, step_secs, ttl_secs, trajectory_secs)
+    verdict = "fits" if ttl_secs <= limit else f"too many: lower the TTL to {limit} s or less"
+    return (
+        f"{head} with a TTL of {ttl_secs} s: about {held:,} bindings of {TABLE_SIZE:,} at each step's "
+        f"start ({verdict})."
+    )
