@@ -10,14 +10,13 @@ Dynamo 1.6.1 shares bindings between replicas: there round-robin in front keeps 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from benchmarks.frontends import Nginx, measure, nginx_binary, two_frontends
+from benchmarks.frontends import HASH_DIRECTIVE, NGINX_CONF, Nginx, measure, nginx_binary, two_frontends
 from otel_session.dynamo.workload import Workload
 from tests.dynamo_fixtures import dynamo_python_for
-
-pytestmark = pytest.mark.slow
 
 WORKLOAD = Workload(prompts=9, siblings=1, turns=4, prompt_words=200, turn_words=30)
 
@@ -30,6 +29,7 @@ def nginx_ok() -> None:
         pytest.skip("nginx is not installed")
 
 
+@pytest.mark.slow
 def test_nginx_hashing_the_session_header_pins_sessions_over_two_1_3_frontends(nginx_ok: None) -> None:
     python = dynamo_python_for("1.3.0.post1")
     with two_frontends(python, "random", replica_sync=False) as stack:
@@ -42,6 +42,7 @@ def test_nginx_hashing_the_session_header_pins_sessions_over_two_1_3_frontends(n
     assert spread.pinned <= 6, spread
 
 
+@pytest.mark.slow
 def test_1_6_frontends_share_bindings_so_round_robin_in_front_keeps_sessions(nginx_ok: None) -> None:
     with two_frontends(None, "random", replica_sync=False) as stack:
         spread = measure(stack, hash_session=False, sessions=True, workload=WORKLOAD, concurrency=3)
@@ -51,6 +52,7 @@ def test_1_6_frontends_share_bindings_so_round_robin_in_front_keeps_sessions(ngi
     assert control.pinned <= 6, control  # no session: random routing scatters the turns
 
 
+@pytest.mark.slow
 def test_nginx_is_stopped_by_pid_and_leaves_nothing(nginx_ok: None) -> None:
     nginx = Nginx(["127.0.0.1:9"], hash_session=True).start()
     assert nginx.proc is not None and nginx.dir is not None
@@ -60,3 +62,10 @@ def test_nginx_is_stopped_by_pid_and_leaves_nothing(nginx_ok: None) -> None:
     assert not conf.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_the_documented_recipe_is_the_one_the_test_runs() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    assert HASH_DIRECTIVE in text and "{hash}" in NGINX_CONF
+    for line in ("proxy_http_version 1.1;", 'proxy_set_header Connection "";', "proxy_buffering off;"):
+        assert line in text and line in NGINX_CONF
