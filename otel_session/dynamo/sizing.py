@@ -115,3 +115,40 @@ def step_note(
         f"{head} with a TTL of {ttl_secs} s: about {held:,} bindings of {TABLE_SIZE:,} at each step's "
         f"start ({verdict})."
     )
+
+
+def sibling_group_size(workers: int, prompts: int, siblings: int) -> int:
+    """Siblings per group so a step's groups about fill the fleet, one group per worker:
+    ``ceil(G / max(1, workers // prompts))``. More prompts than workers: a group per prompt."""
+    if siblings <= 1 or prompts <= 0 or workers <= 0:
+        return 1
+    return math.ceil(siblings / max(1, workers // prompts))
+
+
+def siblings_setting(workers: int, prompts: int, siblings: int) -> str:
+    """The sibling keying for a batch shape on a fleet, as ``OTEL_SESSION_SIBLINGS`` spells it."""
+    size = sibling_group_size(workers, prompts, siblings)
+    if size <= 1:
+        return "attempt"
+    return "prompt" if size >= siblings else f"groups:{size}"
+
+
+#: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
+SIBLINGS_RULE = (
+    "key a GRPO step's siblings in groups sized so each worker gets about one group: "
+    "K = ceil(siblings / max(1, workers // prompts)) siblings share one parent session "
+    "(OTEL_SESSION_SIBLINGS=groups:K; K >= siblings is 'prompt', K = 1 'attempt'); a session per attempt "
+    "thrashes a worker whose KV cache holds fewer of the contexts it is given, and one "
+    "group per prompt leaves workers idle when prompts are fewer than workers"
+)
+
+
+def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
+    """The doctor's line for a batch shape: the rule, and this fleet's setting when its size is known."""
+    if workers is None:
+        return f"fleet size unknown (no /health instances): {SIBLINGS_RULE}."
+    setting = siblings_setting(workers, prompts, siblings)
+    return (
+        f"{workers} workers, {prompts} prompts x {siblings} siblings: OTEL_SESSION_SIBLINGS={setting}; "
+        f"the rule: {SIBLINGS_RULE}."
+    )
