@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from otel_session.dynamo.sizing import BUDGET, largest_step_ttl, step_bindings, step_note
+from otel_session.dynamo import LocalDynamo
+from otel_session.dynamo.doctor import diagnose
+from otel_session.dynamo.sizing import (
+    BUDGET,
+    SIBLINGS_RULE,
+    largest_step_ttl,
+    sibling_group_size,
+    siblings_note,
+    siblings_setting,
+    step_bindings,
+    step_note,
+)
 
 
 def test_a_step_holds_its_own_bindings_and_those_of_steps_still_inside_the_ttl() -> None:
@@ -36,3 +49,41 @@ def test_a_step_bigger_than_the_budget_has_no_ttl_and_says_what_happens() -> Non
     assert step_note(8192, 60, 600, 30).endswith("(too many: lower the TTL to 330 s or less).")
     assert step_note(8192, 60, 300, 30).endswith("(fits).")
     assert step_note(1024, 20) == "GRPO steps of 1,024 trajectories every 20 s: a TTL of at most 1020 s."
+
+
+@pytest.mark.parametrize(
+    ("workers", "prompts", "siblings", "setting"),
+    [
+        (32, 16, 8, "groups:4"),  # 2 groups per prompt fill 32 workers
+        (64, 8, 16, "groups:2"),
+        (8, 16, 8, "prompt"),  # more prompts than workers: one group per prompt
+        (8, 4, 8, "groups:4"),
+        (128, 16, 8, "attempt"),  # 8 workers per prompt: every sibling its own
+        (32, 32, 1, "attempt"),
+        (1024, 512, 16, "groups:8"),
+    ],
+)
+def test_siblings_setting(workers: int, prompts: int, siblings: int, setting: str) -> None:
+    assert siblings_setting(workers, prompts, siblings) == setting
+    size = sibling_group_size(workers, prompts, siblings)
+    groups = prompts * -(-siblings // size)
+    assert groups >= min(workers, prompts * siblings) or size == siblings  # the groups fill the fleet
+
+
+def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
+    assert siblings_note(64, 8, 16).startswith(
+        "64 workers, 8 prompts x 16 siblings: OTEL_SESSION_SIBLINGS=groups:2;"
+    )
+    assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
+
+
+@pytest.mark.slow
+def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callable[..., LocalDynamo]) -> None:
+    stack = local_dynamo_factory(
+        workers=8, workers_per_process=8, router_mode="round-robin", affinity_ttl_secs=60
+    )
+    assert len(set(stack.worker_ids)) == 8  # one process, eight workers, each its own instance
+    report = diagnose(stack.base_url, requests=3, batch=(2, 8))
+    line = next(c for c in report.checks if c.name == "sibling keying")
+    assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: OTEL_SESSION_SIBLINGS=groups:2;")
+    assert report.ok
