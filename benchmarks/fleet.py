@@ -459,6 +459,45 @@ def versus_kv(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+DOC_ARMS = ("kv", "kv+attempt", "kv+prompt", "kv+auto", "rr", "rr+attempt")
+
+
+def docs_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The table docs/performance.md leads with: per cell, hit rate of turns 2+ and mean TTFT of all
+    turns of the arms a user chooses between, each a range over the repeats."""
+    cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        cells.setdefault(r["cell"], {}).setdefault(r["arm"], []).append(r)
+    arms = [a for a in DOC_ARMS if any(a in by_arm for by_arm in cells.values())]
+    lines = [
+        "| workers, blocks/worker, prompts x siblings | runs | ceiling | " + " | ".join(arms) + " |",
+        "|" + "---|" * (3 + len(arms)),
+    ]
+    order = sorted(
+        cells,
+        key=lambda c: (
+            cells[c]["kv"][0]["blocks"] if "kv" in cells[c] else 0,
+            cells[c][next(iter(cells[c]))][0]["workers"],
+            c,
+        ),
+    )
+    for cell in order:
+        by_arm = cells[cell]
+
+        def fig(arm: str, by_arm: dict[str, list[dict[str, Any]]] = by_arm) -> str:
+            rs = by_arm.get(arm)
+            if not rs:
+                return "-"
+            hit = _span([r["hit_rate"] for r in rs], ".2f")
+            ttft = _span([r["ttft_all_ms"] for r in rs if r["ttft_all_ms"] is not None], ".0f")
+            return f"{hit} / {ttft} ms"
+
+        runs = max(len(rs) for rs in by_arm.values())
+        ceiling = _span([r["ceiling"] for rs in by_arm.values() for r in rs], ".2f")
+        lines.append(f"| {cell} | {runs} | {ceiling} | " + " | ".join(fig(a) for a in arms) + " |")
+    return "\n".join(lines)
+
+
 def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Hit rate 2+ and mean TTFT against workers, one line per arm, a row of panels per step shape."""
     import matplotlib
@@ -567,6 +606,8 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     print(summary_table(rows))
     print()
     print(versus_kv(rows))
+    print()
+    print(docs_table(rows))
     if not args.quick:
         _save(rows, args.out)
         chart(rows, args.out.with_suffix(".png"))
