@@ -268,13 +268,17 @@ def as_attempt(
     """Call ``func`` as one new attempt of ``template``, whatever it returns: a coroutine is awaited
     inside the attempt, a generator or async generator is one attempt for as long as it is iterated,
     anything else ends the attempt as the call returns or raises. Where ``func`` is known to return a
-    coroutine or a generator, the attempt starts when that is first awaited or iterated."""
+    coroutine or a generator, the attempt starts when that is first awaited or iterated; arguments
+    it refuses fail at the call all the same, as they would unwrapped."""
     start = _starter(template, func, args, kwargs)
     if _is_async_callable(func):
+        _refuse_now(func, args, kwargs)
         return awaited_in(start)
     if inspect.isasyncgenfunction(func):
+        _refuse_now(func, args, kwargs)
         return async_generator_in(start)
     if inspect.isgeneratorfunction(func):
+        _refuse_now(func, args, kwargs)
         return generator_in(start)
     attempt, ctx, result = start()
     later = continued(attempt, ctx, result)
@@ -282,6 +286,20 @@ def as_attempt(
         return later
     attempt._end(None)
     return result
+
+
+def _refuse_now(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise now what calling ``func`` with these arguments raises at once (a coroutine or generator
+    function binds its arguments when called, before any of its code runs). Only arguments its
+    signature refuses are passed to ``func`` here, so the error is the function's own."""
+    try:
+        inspect.signature(func).bind(*args, **kwargs)
+    except TypeError:
+        made = func(*args, **kwargs)  # raises, unless the signature was not the function's
+        if inspect.iscoroutine(made) or inspect.isgenerator(made):
+            made.close()  # not run: the attempt calls the function itself
+    except ValueError:  # no signature to be had: the call itself will tell
+        pass
 
 
 def continued(attempt: trajectory | None, ctx: Context, result: Any) -> Any:

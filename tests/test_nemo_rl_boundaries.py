@@ -34,6 +34,7 @@ from tests.support import DynamoProxy, Forwarded, run_zero_code
 
 STANDIN = Path(__file__).resolve().parent / "standin"
 DRIVER = STANDIN / "rollout_driver.py"
+LATE_DRIVER = Path(__file__).resolve().parent / "late_path_driver.py"
 INSTRUMENT = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
 NOTICE = "was sent outside any trajectory"
 OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
@@ -92,19 +93,21 @@ def run_driver(
     *,
     fail_once: Callable[[Request], bool] | None = None,
     tool_failures: int = 0,
+    late: bool = False,
     **env: str,
 ) -> Run:
     """``opentelemetry-instrument python rollout_driver.py MODE ...``, environment variables only.
     ``fail_once``: the proxy answers the first request it picks 503 itself. ``tool_failures``: the tool
-    server answers that many first requests 500."""
+    server answers that many first requests 500. ``late``: NeMo-RL is not on ``PYTHONPATH``; the
+    script puts it on ``sys.path`` itself after start (tests/late_path_driver.py)."""
     chosen = None if fail_once is None else (lambda seen: fail_once(Request.of(seen)))
     with DynamoProxy(f"http://{stack.host}", chosen) as proxy, Recorder() as tools:
         tools.fail_next.extend([500] * tool_failures)
         report, stderr = run_zero_code(
-            [INSTRUMENT, sys.executable, str(DRIVER), mode, f"http://{proxy.authority}/v1", stack.model_name,
-             f"{tools.url}/tool/step"],
+            [INSTRUMENT, sys.executable, str(LATE_DRIVER if late else DRIVER), mode,
+             f"http://{proxy.authority}/v1", stack.model_name, f"{tools.url}/tool/step"],
             dynamo=proxy.authority,
-            env={"PYTHONPATH": str(STANDIN)} | env,
+            env=({} if late else {"PYTHONPATH": str(STANDIN)}) | env,
             timeout=120,
         )  # fmt: skip
     requests = [Request.of(seen) for seen in proxy.requests]  # each prompt names its run and prompt
@@ -210,3 +213,17 @@ def test_disabled_nemo_rl_instrumentor_sends_no_session_and_says_so_once(dynamo_
     assert run.stderr.count(NOTICE) == 1, run.stderr[-3000:]
     (line,) = [line for line in run.stderr.splitlines() if NOTICE in line]
     assert run.dynamo in line and "OTEL_SESSION_TRAJECTORY_FUNCTIONS" in line, line
+
+
+def test_nemo_rl_put_on_the_path_by_the_driver_after_start_is_instrumented(dynamo_stack: LocalDynamo) -> None:
+    """Issue 28 item 2: NeMo-RL cannot be found when the distro configures otel-session; the driver
+    adds it to ``sys.path`` itself. Its preset applies when its rollout module is imported: the Floor's
+    run, one session per sample attempt, every request inside a boundary."""
+    run = run_driver("native", dynamo_stack, late=True)
+    assert len(run.requests) == 2 * (2 * 3 + 2 * 4)
+    for number in range(2):
+        by_session = attempts([r for r in run.requests if r.run == number])
+        assert len(by_session) == 4 and None not in by_session, by_session.keys()
+        for session, requests in by_session.items():
+            assert_one_attempt(session, requests)
+    assert NOTICE not in run.stderr

@@ -37,9 +37,9 @@ from typing import Any, ClassVar, SupportsIndex
 
 import wrapt
 
-from otel_session import _faults, _settings
+from otel_session import _faults, _hop, _settings
 from otel_session._trajectory import as_attempt, trajectory
-from otel_session.instrumentation._base import SessionInstrumentor, Wrapper
+from otel_session.instrumentation._base import Patched, SessionInstrumentor, Wrapper
 
 # Arguments that name the sample a rollout function runs, recorded as the attempt's span attribute.
 _SAMPLE_ARGUMENTS = {"sample_idx": "otel_session.sample_index", "traj_idx": "otel_session.sample_index"}
@@ -153,39 +153,18 @@ class _Boundary:
         return as_attempt(template, wrapped, args, kwargs)
 
 
-class _BoundMethod(wrapt.BoundFunctionWrapper[..., Any]):
-    """A named method as reached through its class or an instance: pickled and copied as a method is
-    (multiprocessing, Ray and deep-copied configs hand rollout methods around)."""
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
-        holder = self._self_instance if self._self_binding not in ("classmethod", "staticmethod") else None
-        holder = holder if holder is not None else getattr(self, "_self_owner", None)  # wrapt 1 has none
-        if holder is None:
-            return self.__wrapped__.__reduce_ex__(protocol)
-        return getattr, (holder, self._self_parent._self_attribute)
-
-    def __copy__(self) -> Any:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        if self._self_instance is None:
-            return self
-        return getattr(copy.deepcopy(self._self_instance, memo), self._self_parent._self_attribute)
-
-
-class _Proxy(wrapt.FunctionWrapper[..., Any]):
+class _Proxy(Patched):
     """A named function in place of the original: pickled by name, so the receiving process finds its
     own (a boundary there too if it names it), and a copy of a function is the function itself; a
     callable object it wraps pickles as the object, and copies as a boundary of the copy."""
 
-    __bound_function_wrapper__ = _BoundMethod
-
-    def __init__(self, wrapped: Any, boundary: _Boundary, attribute: str) -> None:
-        super().__init__(wrapped, boundary)
+    def __init__(self, wrapped: Any, boundary: _Boundary, owner: Any, attribute: str) -> None:
+        super().__init__(wrapped, boundary, owner, attribute)
         self._self_boundary = boundary
-        self._self_attribute = attribute
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        if isinstance(self._self_owner_of, type):
+            return super().__reduce_ex__(protocol)
         try:
             found: Any = sys.modules[self.__module__]
             for part in self.__qualname__.split("."):
@@ -208,7 +187,7 @@ class _Proxy(wrapt.FunctionWrapper[..., Any]):
         return self if inspect.isroutine(wrapped) else self._copy(copy.deepcopy(wrapped, memo))
 
     def _copy(self, wrapped: Any) -> _Proxy:
-        return _Proxy(wrapped, self._self_boundary, self._self_attribute)
+        return _Proxy(wrapped, self._self_boundary, self._self_owner_of, self._self_attribute)
 
 
 def _innermost(value: Any) -> Any:
@@ -334,10 +313,11 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                 )
             owner, attribute, target = _resolve(module, name.partition(":")[2])
             boundary.read = _sample_attributes(getattr(owner, attribute))
-            proxy = _Proxy(target, boundary, attribute)
+            proxy = _Proxy(target, boundary, owner, attribute)
             copied = attribute not in vars(owner)  # inherited: wrapped on this class only, never its base
             setattr(owner, attribute, proxy)
             _WRAPPED.append((boundary, owner, attribute, proxy, copied))
+            _hop.boundaries_in_force.add(name)
         except Exception as exc:
             if not self.presets and name not in _WARNED:  # a preset names what a version may lack
                 _WARNED.add(name)
@@ -365,9 +345,14 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                 except Exception as exc:  # left in place, it passes through: never a failed unconfigure
                     _faults.report(f"unwrapping {boundary.name}", exc)
             _WRAPPED[:] = [wrapped for wrapped in _WRAPPED if wrapped[0].holders]
+            _hop.boundaries_in_force.intersection_update(wrapped[0].name for wrapped in _WRAPPED)
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
         return []
+
+    def patched(self) -> list[tuple[Any, str]]:
+        with _LOCK:
+            return [(owner, name) for boundary, owner, name, _, _ in _WRAPPED if self in boundary.holders]
 
     def _warn_never_imported(self) -> None:
         """At exit: one warning per named function whose module was never imported, saying why."""
