@@ -73,56 +73,69 @@ def _over_unix_socket(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``ClientRequest.send``: the hop planned as it is called; sent as it is (no coroutine of ours)
     where there is nothing to add, take back or watch, as for the usual request outside a
-    trajectory or to a host that gets nothing; else through ``_hop_send``."""
-    if _INSTRUMENTOR.active and instance.method != "CONNECT":
+    trajectory or to a host that gets nothing; else through ``_hop_send``. The original is called at
+    once either way, so a call it refuses fails here, as it would unpatched."""
+    planned = _planned(instance, args, kwargs) if _INSTRUMENTOR.active else None
+    if planned is None:
+        return wrapped(*args, **kwargs)
+    return _hop_send(wrapped(*args, **kwargs), instance, *planned)
+
+
+_Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
+
+
+def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Planned | None:
+    """(the caller's headers, whether ``instance`` holds another send's copy of them, the plan, what
+    the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do."""
+    try:
+        if instance.method == "CONNECT":
+            return None
         callers, swap = instance.headers, False
         if _in_flight:
             entry = _in_flight.get(id(callers))
             if entry is not None and entry[0] is callers:
                 callers, swap = entry[1], True  # another send's copy: start from the caller's
         plan, held, watched = None, _NOTHING, False
-        try:
-            offered = _hop.current()
-            if offered is None and _hop.untold:  # until a request to a router outside any trajectory
-                _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
-            if offered is not None:
-                url = instance.url
-                if _over_unix_socket(args, kwargs):
-                    plan = offered.plan("unix", None, None)
-                else:
-                    plan = offered.plan(url.scheme, url.raw_host, url.port)
-                # aiohttp's own instrumentation injects before this, with no destination: under a stock
-                # propagator composed with ours, what it copied is taken back here, where the hop is known.
-                sole = _propagator.is_sole_global()
-                held = _held(callers, plan)
-                if held:
-                    plan = plan.given(held, sole)
-                watched = plan.watched or not sole
-        except Exception as exc:  # a bug of ours must not fail the request
-            _faults.report("adding session headers to a request", exc)
-            plan, watched = None, False
-        if swap or watched or (plan is not None and plan.edits):
-            return _hop_send(wrapped, instance, args, kwargs, callers, swap, plan, held, watched)
-    return wrapped(*args, **kwargs)
+        offered = _hop.current()
+        if offered is None and _hop.untold:  # until a request to a router outside any trajectory
+            _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
+        if offered is not None:
+            url = instance.url
+            if _over_unix_socket(args, kwargs):
+                plan = offered.plan("unix", None, None)
+            else:
+                plan = offered.plan(url.scheme, url.raw_host, url.port)
+            # aiohttp's own instrumentation injects before this, with no destination: under a stock
+            # propagator composed with ours, what it copied is taken back here, where the hop is known.
+            sole = _propagator.is_sole_global()
+            held = _held(callers, plan)
+            if held:
+                plan = plan.given(held, sole)
+            watched = plan.watched or not sole
+    except Exception as exc:  # a bug of ours (or a request we do not understand) must not fail it
+        _faults.report("adding session headers to a request", exc)
+        return None
+    if swap or watched or (plan is not None and plan.edits):
+        return callers, swap, plan, held, watched
+    return None
 
 
 async def _hop_send(
-    wrapped: Any,
+    sending: Any,
     instance: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
     callers: Any,
     swap: bool,
     plan: _hop.Plan | None,
     held: dict[str, str],
     watched: bool,
 ) -> Any:
-    """One planned hop, made when the send starts, so a coroutine never awaited leaves the request
-    as it was. The send gets headers of its own, a copy of the caller's with ours; the caller's are
-    never edited, so any other send of the request (a retry, a middleware's, even one started while
-    this one is under way) starts from them. After the send ours are taken out of the copy too: it
-    stays on the request, with what aiohttp added while sending, and the response's
-    ``request_info`` shows it (an application may copy that into another request)."""
+    """One planned hop around ``sending`` (the original's coroutine, not started yet), made when the
+    send starts, so a coroutine never awaited leaves the request as it was. The send gets headers of
+    its own, a copy of the caller's with ours; the caller's are never edited, so any other send of
+    the request (a retry, a middleware's, even one started while this one is under way) starts from
+    them. After the send ours are taken out of the copy too: it stays on the request, with what
+    aiohttp added while sending, and the response's ``request_info`` shows it (an application may
+    copy that into another request)."""
     sent = None
     saved = None
     names: list[str] = []
@@ -147,9 +160,9 @@ async def _hop_send(
             instance.headers = callers
         if sent is not None:
             _in_flight.pop(id(sent), None)
-        return await wrapped(*args, **kwargs)
+        return await sending
     try:
-        return await wrapped(*args, **kwargs)
+        return await sending
     finally:
         try:
             if token is not None:

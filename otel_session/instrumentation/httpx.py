@@ -253,10 +253,11 @@ def _replan_at(request: Any, entry: tuple[Any, _hop.Destination, Any], destinati
     return request
 
 
-def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
-    """A hop through a transport that may not be httpx's own: (our copy to send, its in-flight key);
-    ``None``: send what it was handed (nothing of ours to add, or a copy a transport wrapping this
-    one made, planned again here if that one sent it elsewhere)."""
+def _begin_elsewhere(request: Any) -> tuple[Any, tuple[Any, _hop.Destination, Any]] | None:
+    """A hop through a transport that may not be httpx's own: (our copy to send, its in-flight entry,
+    registered by the caller while it is sent); ``None``: send what it was handed (nothing of ours to
+    add, or a copy a transport wrapping this one made, planned again here if that one sent it
+    elsewhere)."""
     try:
         if _in_flight:
             entry = _registered(request)
@@ -272,9 +273,7 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
             return None  # the caller's own object, as it is: any transport it reaches plans it afresh
         plan.delivered()
         sent = _copy_request(request, _copy_headers(request.headers, plan.edits, None if held else plan.wire))
-        key = id(sent)
-        _in_flight[key] = (sent, destination, request.headers)
-        return sent, key
+        return sent, (sent, destination, request.headers)
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)
         return None
@@ -303,13 +302,15 @@ def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
     return wrapped(*args, **kwargs)
 
 
-async def _handle_async_request(
+def _handle_async_request(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    """The async twin of ``_handle_request``: planning needs no awaiting, so the original is called
+    here and its coroutine returned, as unpatched (a call it refuses fails at once)."""
     request = _request_of(args, kwargs)
     if request is not None:
         args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
-    return await wrapped(*args, **kwargs)
+    return wrapped(*args, **kwargs)
 
 
 def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -317,25 +318,37 @@ def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
     begun = _begin_elsewhere(request) if request is not None else None
     if begun is None:
         return wrapped(*args, **kwargs)
+    sent, entry = begun
+    sent_args, sent_kwargs = _with_request(args, kwargs, sent)
+    _in_flight[id(sent)] = entry
     try:
-        sent_args, sent_kwargs = _with_request(args, kwargs, begun[0])
         return wrapped(*sent_args, **sent_kwargs)
     finally:
-        _in_flight.pop(begun[1], None)
+        _in_flight.pop(id(sent), None)
 
 
-async def _handle_elsewhere_async(
+def _handle_elsewhere_async(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    """The original called at once with our copy; the copy is in flight while its coroutine runs."""
     request = _request_of(args, kwargs)
     begun = _begin_elsewhere(request) if request is not None else None
     if begun is None:
-        return await wrapped(*args, **kwargs)
+        return wrapped(*args, **kwargs)
+    sent, entry = begun
+    sent_args, sent_kwargs = _with_request(args, kwargs, sent)
+    return _in_flight_while(wrapped(*sent_args, **sent_kwargs), entry)
+
+
+async def _in_flight_while(sending: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
+    """Await ``sending`` with ``entry`` registered in flight: from its start, so a coroutine never
+    awaited leaves nothing behind."""
+    key = id(entry[0])
+    _in_flight[key] = entry
     try:
-        sent_args, sent_kwargs = _with_request(args, kwargs, begun[0])
-        return await wrapped(*sent_args, **sent_kwargs)
+        return await sending
     finally:
-        _in_flight.pop(begun[1], None)
+        _in_flight.pop(key, None)
 
 
 class HTTPXSessionInstrumentor(SessionInstrumentor):
