@@ -5,16 +5,23 @@ hosting all the workers (``--num-workers``), each worker's KV cache sized with
 ``--num-gpu-blocks-override``. The load is one GRPO step: P prompts x G siblings, every trajectory
 started at once, a prompt of about 2k tokens shared by the siblings, ``turns`` turns each adding a
 unique observation after a short environment pause, the history growing. Requests go through the
-openai SDK (AsyncOpenAI, httpx2), and otel-session makes the sessions. The arms:
+openai SDK (AsyncOpenAI, httpx2), and otel-session makes the sessions: every attempt is a
+``trajectory(group=prompt)`` and the arm's ``configure(siblings=...)`` says which siblings name a
+common parent session (``X-Dynamo-Parent-Session-ID``). The arms:
 
     rr               round-robin, no session header
     kv               kv routing, no session header
-    kv+attempt       kv, a trajectory() per attempt (otel-session's default today)
-    kv+prompt        kv, siblings nested in one outer trajectory() per prompt (they carry a parent)
-    kv+groups:K      kv, an outer trajectory() per sub-group of K siblings
-    kv+auto          kv, sub-groups with K = ceil(G / max(1, workers // prompts))
-    rr+attempt       round-robin, a trajectory() per attempt
-    kv+attempt/soft  kv, a trajectory() per attempt, soft affinity
+    kv+attempt       kv, siblings=attempt: a session per attempt, no parent
+    kv+default       kv, the library's default (groups:2)
+    kv+prompt        kv, siblings=prompt: all siblings of a prompt under one parent
+    kv+groups:K      kv, siblings=groups:K: each K siblings under a parent of their own
+    kv+auto          kv, what `otel-session doctor` recommends for the cell's fleet and batch
+                     (groups:K with K = ceil(G / max(1, workers // prompts)))
+    rr+attempt       round-robin, a session per attempt
+    kv+attempt/soft  kv, a session per attempt, soft affinity
+
+(Rows with ``"keying_impl": "nested"`` absent were measured before the siblings API existed, with
+nested trajectories sending the same headers: an outer trajectory per group around its siblings.)
 
 Every frontend runs with ``--router-session-affinity-ttl-secs`` (an arm without sessions sends no
 header, so that changes nothing for it). Arms of one repeat see the same text on a cold fleet;
@@ -39,13 +46,12 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +63,7 @@ if str(ROOT) not in sys.path:
 import otel_session  # noqa: E402
 from otel_session import trajectory  # noqa: E402
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, cached_tokens_of, ttft_ms_of, worker_id_of  # noqa: E402
+from otel_session.dynamo.sizing import siblings_setting  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
@@ -86,6 +93,7 @@ ARMS: dict[str, Arm] = {
         Arm("rr", "round-robin", "none"),
         Arm("kv", "kv", "none"),
         Arm("kv+attempt", "kv", "attempt"),
+        Arm("kv+default", "kv", "default"),
         Arm("kv+prompt", "kv", "prompt"),
         Arm("kv+groups:2", "kv", "groups:2"),
         Arm("kv+groups:4", "kv", "groups:4"),
@@ -124,14 +132,20 @@ class Cell:
         return cls(workers, blocks, prompts, siblings)
 
 
-def group_size(keying: str, cell: Cell) -> int | None:
-    """Siblings per outer trajectory (``None``: no outer trajectory)."""
-    if keying == "prompt":
-        return cell.siblings
-    if keying.startswith("groups:"):
-        return max(1, int(keying.split(":", 1)[1]))
+def siblings_of(keying: str, cell: Cell) -> str | None:
+    """The ``configure(siblings=...)`` an arm runs with (``None``: the library's default); ``auto``
+    is what ``otel-session doctor --prompts P --siblings G`` recommends for the cell's fleet."""
     if keying == "auto":
-        return math.ceil(cell.siblings / max(1, cell.workers // cell.prompts))
+        return siblings_setting(cell.workers, cell.prompts, cell.siblings)
+    return None if keying == "default" else keying
+
+
+def group_size(setting: str, cell: Cell) -> int | None:
+    """Siblings under one parent for a siblings setting as the library spells it (``None``: none)."""
+    if setting == "prompt":
+        return cell.siblings
+    if setting.startswith("groups:"):
+        return min(cell.siblings, int(setting.split(":", 1)[1]))
     return None
 
 
@@ -162,15 +176,6 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
-@contextlib.asynccontextmanager
-async def _session(keyed: bool) -> AsyncIterator[None]:
-    if keyed:
-        async with trajectory():
-            yield
-    else:
-        yield
-
-
 async def _attempt(client: Any, model: str, cell: Cell, seed: int, p: int, s: int, keyed: bool) -> Attempt:
     prompt_rng = random.Random(f"{seed}/{p}")
     turn_rng = random.Random(f"{seed}/{p}/{s}")
@@ -179,7 +184,9 @@ async def _attempt(client: Any, model: str, cell: Cell, seed: int, p: int, s: in
         {"role": "user", "content": _text(prompt_rng, cell.prompt_words)},  # shared by the siblings
     ]
     result = Attempt(p, s)
-    async with _session(keyed):
+    # group=p: the siblings' prompt, as NeMo-RL's preset names it; configure(siblings=...) decides
+    # which of them name a common parent session.
+    async with trajectory(group=p) if keyed else contextlib.nullcontext():
         try:
             for turn in range(cell.turns):
                 if turn:
@@ -214,29 +221,18 @@ async def run_step(
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
-    size = group_size(keying, cell)
-
-    async def group(p: int, siblings: range) -> list[Attempt]:
-        async with _session(size is not None):  # the parent the siblings name
-            return list(
-                await asyncio.gather(
-                    *(_attempt(client, model, cell, seed, p, s, keying != "none") for s in siblings)
-                )
-            )
-
-    step = size or 1
     began = time.perf_counter()
     try:
-        groups = await asyncio.gather(
+        attempts = await asyncio.gather(  # opened in this order: siblings s = 0, 1, ... of each prompt
             *(
-                group(p, range(first, min(first + step, cell.siblings)))
+                _attempt(client, model, cell, seed, p, s, keying != "none")
                 for p in range(cell.prompts)
-                for first in range(0, cell.siblings, step)
+                for s in range(cell.siblings)
             )
         )
     finally:
         await client.close()
-    return [a for g in groups for a in g], time.perf_counter() - began
+    return list(attempts), time.perf_counter() - began
 
 
 def _balance(requests: Sequence[Request], workers: int) -> float:
@@ -259,8 +255,9 @@ def _balance(requests: Sequence[Request], workers: int) -> float:
     return statistics.fmean(ratios) if ratios else 0.0
 
 
-def measure(attempts: Sequence[Attempt], cell: Cell, wall: float) -> dict[str, Any]:
-    """The figures of one run (see the module docstring)."""
+def measure(attempts: Sequence[Attempt], cell: Cell, wall: float, group: int | None = None) -> dict[str, Any]:
+    """The figures of one run (see the module docstring); ``group``: siblings under one parent, for
+    the share of those groups Dynamo put together (all of a group's first turns on one worker)."""
     bs = BLOCK_SIZE
     reqs = [r for a in attempts for r in a.requests]
     later = [r for r in reqs if r.turn > 0]
@@ -291,7 +288,17 @@ def measure(attempts: Sequence[Attempt], cell: Cell, wall: float) -> dict[str, A
     for a in attempts:
         if a.requests:
             by_prompt.setdefault(a.prompt, set()).add(a.requests[0].worker)
+    together: float | None = None
+    if group:
+        first_workers: dict[tuple[int, int], set[int | None]] = {}
+        for a in attempts:
+            if a.requests:
+                first_workers.setdefault((a.prompt, a.sibling // group), set()).add(a.requests[0].worker)
+        together = (
+            sum(len(w) == 1 for w in first_workers.values()) / len(first_workers) if first_workers else 0.0
+        )
     return {
+        "groups_together": together,
         "trajectories": len(attempts),
         "errors": sum(a.error is not None for a in attempts),
         "first_error": next((a.error for a in attempts if a.error), None),
@@ -330,8 +337,12 @@ def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
         worker_args=["--num-gpu-blocks-override", str(cell.blocks)],
         startup_timeout=120,
     ) as stack:
+        setting = "none"
         if arm.keying != "none":
-            otel_session.configure(dynamo_hosts=stack.hosts)
+            settings = otel_session.configure(
+                dynamo_hosts=stack.hosts, siblings=siblings_of(arm.keying, cell)
+            )
+            setting = str(settings.siblings)  # what the library resolved, its default included
         try:
             attempts, wall = asyncio.run(run_step(stack.base_url, stack.model_name, cell, arm.keying, seed))
         finally:
@@ -343,11 +354,13 @@ def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
         "router": arm.router,
         "keying": arm.keying,
         "mode": arm.mode,
-        "group_size": group_size(arm.keying, cell),
+        "group_size": group_size(setting, cell),
+        "siblings_setting": setting,
+        "keying_impl": "api",  # configure(siblings=...) + trajectory(group=p); earlier rows: nested
         "seed": seed,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
-        **measure(attempts, cell, wall),
+        **measure(attempts, cell, wall, group_size(setting, cell)),
     }
     return row
 
@@ -591,7 +604,7 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     if not args.plot_only:
         if args.quick:
             cells = [Cell(8, 256, 4, 4, prompt_words=600, turn_words=60, turns=3)]
-            arms = [ARMS[a] for a in ("rr", "kv", "kv+attempt", "kv+prompt")]
+            arms = [ARMS[a] for a in ("rr", "kv", "kv+attempt", "kv+default")]
             repeats = 1
         else:
             specs = ISSUE_CELLS if args.cells == "issue" else args.cells.split(",")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet import ARMS, Attempt, Cell, Request, group_size, main, measure
+from benchmarks.fleet import ARMS, Attempt, Cell, Request, group_size, main, measure, siblings_of
 
 
 def _req(turn: int, worker: int, prompt: int, cached: int, start: float, end: float) -> Request:
@@ -33,15 +33,16 @@ def test_one_busy_worker_is_unbalanced() -> None:
     assert measure(both, cell, wall=1.0)["balance"] == pytest.approx(4.0)
 
 
-def test_group_sizes() -> None:
+def test_group_sizes_and_the_auto_arm() -> None:
     cell = Cell(workers=32, blocks=1024, prompts=16, siblings=8)
     assert group_size("none", cell) is None and group_size("attempt", cell) is None
-    assert group_size("prompt", cell) == 8
-    assert group_size("groups:2", cell) == 2
-    assert group_size("auto", cell) == 4  # 2 groups per prompt fill 32 workers with 16 prompts
-    assert group_size("auto", Cell(64, 1024, 8, 16)) == 2
-    assert group_size("auto", Cell(8, 1024, 16, 8)) == 8  # more prompts than workers: per prompt
-    assert {"kv", "kv+attempt", "kv+prompt", "kv+auto"} <= set(ARMS)
+    assert group_size("prompt", cell) == 8 and group_size("groups:2", cell) == 2
+    assert group_size("groups:16", cell) == 8
+    assert siblings_of("auto", cell) == "groups:4"  # 2 groups per prompt fill 32 workers with 16 prompts
+    assert siblings_of("auto", Cell(64, 1024, 8, 16)) == "groups:2"
+    assert siblings_of("auto", Cell(8, 1024, 16, 8)) == "prompt"  # more prompts than workers
+    assert siblings_of("default", cell) is None and siblings_of("groups:4", cell) == "groups:4"
+    assert {"kv", "kv+attempt", "kv+default", "kv+prompt", "kv+auto"} <= set(ARMS)
 
 
 @pytest.mark.slow
@@ -49,8 +50,8 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
     rows: list[dict[str, object]] = []
     assert main(["--quick"], sink=rows) == 0
     out = capsys.readouterr().out
-    assert "| cell | arm | runs |" in out and "kv+prompt" in out
-    assert {r["arm"] for r in rows} == {"rr", "kv", "kv+attempt", "kv+prompt"}
+    assert "| cell | arm | runs |" in out and "kv+default" in out
+    assert {r["arm"] for r in rows} == {"rr", "kv", "kv+attempt", "kv+default"}
     for r in rows:
         assert r["errors"] == 0, r["first_error"]
         for key in ("hit_rate", "ceiling", "hit_rate_all", "ceiling_all"):
@@ -58,6 +59,9 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["hit_rate"] <= r["ceiling"] + 1e-9  # type: ignore[operator]
         if r["keying"] != "none":
             assert r["pinned"] == r["trajectories"], r
+    default = next(r for r in rows if r["arm"] == "kv+default")
+    assert default["siblings_setting"] == "groups:2" and default["group_size"] == 2
+    assert default["groups_together"] == 1.0  # each pair of siblings named one parent: one worker
     kv = next(r for r in rows if r["arm"] == "kv+attempt")
     rr = next(r for r in rows if r["arm"] == "rr")
     assert kv["hit_rate"] > rr["hit_rate"]  # type: ignore[operator]
