@@ -511,38 +511,54 @@ def docs_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: The arms the chart draws, and their labels; ``kv+groups:2`` is the default's setting (rows measured
+#: before the siblings API had no ``kv+default`` arm), so the two are drawn as one.
+CHART_ARMS = {
+    "kv": "kv, no session",
+    "kv+attempt": "kv + session per attempt",
+    "kv+default": "kv + otel-session default (groups:2)",
+    "kv+prompt": "kv + one parent per prompt",
+    "kv+auto": "kv + doctor's groups:K",
+    "rr": "round-robin, no session",
+}
+
+
+def chart_arm(row: dict[str, Any]) -> str:
+    return "kv+default" if row["arm"] == "kv+groups:2" else str(row["arm"])
+
+
 def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Hit rate 2+ and mean TTFT against workers, one line per arm, a row of panels per step shape."""
+    """Hit rate 2+ and mean TTFT against workers, one line per arm, a row of panels per step shape
+    (cache per worker, siblings, trajectories per worker, prompts per worker) measured at two or
+    more fleet sizes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families = sorted(
-        {
-            (
-                r["blocks"],
-                r["siblings"],
-                round(r["in_flight_per_worker"], 2)
-                if "in_flight_per_worker" in r
-                else r["prompts"] * r["siblings"] / r["workers"],
-            )
-            for r in rows
-        }
-    )
-    fig, axes = plt.subplots(len(families), 2, figsize=(12, 3.6 * len(families)), squeeze=False)
-    arms = [a for a in ARMS if any(r["arm"] == a for r in rows)]
+    def family(r: dict[str, Any]) -> tuple[int, int, float, float]:
+        return (
+            r["blocks"],
+            r["siblings"],
+            r["prompts"] * r["siblings"] / r["workers"],
+            r["prompts"] / r["workers"],
+        )
+
+    sizes: dict[tuple[int, int, float, float], set[int]] = {}
+    for r in rows:
+        sizes.setdefault(family(r), set()).add(r["workers"])
+    families = sorted(f for f, ws in sizes.items() if len(ws) >= 2)
+    if not families:
+        families = sorted(sizes)
+    fig, axes = plt.subplots(len(families), 2, figsize=(12, 3.4 * len(families)), squeeze=False)
     colors = plt.get_cmap("tab10")
-    for row_axes, (blocks, siblings, flight) in zip(axes, families, strict=True):
-        fam = [
-            r for r in rows
-            if r["blocks"] == blocks and r["siblings"] == siblings
-            and abs(r["prompts"] * r["siblings"] / r["workers"] - flight) < 1e-6
-        ]  # fmt: skip
-        for i, arm in enumerate(arms):
+    for row_axes, fam_key in zip(axes, families, strict=True):
+        blocks, siblings, flight, _ = fam_key
+        fam = [r for r in rows if family(r) == fam_key]
+        for i, (arm, label) in enumerate(CHART_ARMS.items()):
             pts: dict[int, list[dict[str, Any]]] = {}
             for r in fam:
-                if r["arm"] == arm:
+                if chart_arm(r) == arm:
                     pts.setdefault(r["workers"], []).append(r)
             if not pts:
                 continue
@@ -550,9 +566,11 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
             style = {
                 "color": colors(i),
                 "marker": "o",
-                "label": arm,
+                "label": label,
                 "linestyle": "-" if "kv" in arm else "--",
             }
+            if arm == "kv+default":
+                style["linewidth"] = 2.5
             for ax, key in ((row_axes[0], "hit_rate"), (row_axes[1], "ttft_all_ms")):
                 means = [statistics.fmean(r[key] for r in pts[x]) for x in xs]
                 ax.plot(xs, means, **style)
@@ -565,15 +583,18 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
             )
         for ax in row_axes:
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted(sizes[fam_key]), [str(w) for w in sorted(sizes[fam_key])])
             ax.set_xlabel("workers")
+        row_axes[0].set_ylim(0, 1)
         row_axes[0].set_title(
-            f"hit rate, turns 2+ ({blocks} blocks/worker, G={siblings}, {flight:g} traj/worker)"
+            f"hit rate, turns 2+: {blocks} blocks/worker, G={siblings}, {flight:g} trajectories/worker",
+            fontsize=10,
         )
-        row_axes[1].set_title("mean TTFT, all turns (ms)")
+        row_axes[1].set_title("mean TTFT, all turns (ms)", fontsize=10)
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=8, frameon=False)
-    fig.suptitle("Dynamo 1.6.1 router + mocker fleet, one GRPO step per run (measured)")
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    fig.legend(handles, names, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("Dynamo 1.6.1 router + mocker fleet, one GRPO step per run (measured; 2 shared cores)")
+    fig.tight_layout(rect=(0, 0.09, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
