@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -599,6 +600,66 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def model(rows: Sequence[dict[str, Any]], predict_at: Sequence[int] = (1024, 4096)) -> str:
+    """A small model for fleets past this machine (issue 29, item 4), and how far off it was.
+
+    The model: at a fixed step *shape* per worker (cache per worker, siblings, trajectories per
+    worker, prompts per worker) an arm's hit rate and TTFT do not depend on the fleet's size. Checked
+    where it can be: fitted (the mean) on every size but the largest measured, compared with the
+    largest. Its predictions for ``predict_at`` workers are the mean over every measured size. What
+    it leaves out: a real frontend's routing cost per request grows with the workers it scores, and
+    real engines are not Dynamo's mocker; both are why these are labelled modelled."""
+    shapes: dict[tuple[int, int, float, float, str], dict[int, list[dict[str, Any]]]] = {}
+    for r in rows:
+        key = (
+            r["blocks"],
+            r["siblings"],
+            r["prompts"] * r["siblings"] / r["workers"],
+            r["prompts"] / r["workers"],
+            chart_arm(r),
+        )
+        shapes.setdefault(key, {}).setdefault(r["workers"], []).append(r)
+    lines = [
+        "| blocks/worker, G, traj/worker, prompts/worker | arm | measured at (workers: hit 2+ / TTFT ms) | "
+        "model for the largest (fitted on the others) | off by | modelled at "
+        + ", ".join(f"{w:,}" for w in predict_at)
+        + " workers |",
+        "|" + "---|" * 6,
+    ]
+    for (blocks, g, flight, ppw, arm), by_size in sorted(shapes.items()):
+        if len(by_size) < 2 or arm not in CHART_ARMS:
+            continue
+        sizes = sorted(by_size)
+
+        def hit(ws: Sequence[int], by_size: dict[int, list[dict[str, Any]]] = by_size) -> float:
+            return statistics.fmean(r["hit_rate"] for w in ws for r in by_size[w])
+
+        def ttft(ws: Sequence[int], by_size: dict[int, list[dict[str, Any]]] = by_size) -> float:
+            return statistics.fmean(r["ttft_all_ms"] for w in ws for r in by_size[w] if r["ttft_all_ms"])
+
+        measured = "; ".join(f"{w}: {hit([w]):.2f} / {ttft([w]):.0f}" for w in sizes)
+        fit, last = sizes[:-1], sizes[-1]
+        trend = _log_trend([(w, hit([w])) for w in sizes], predict_at)
+        lines.append(
+            f"| {blocks}, {g}, {flight:g}, {ppw:g} | {arm} | {measured} | "
+            f"{hit(fit):.2f} / {ttft(fit):.0f} ms | "
+            f"{hit([last]) - hit(fit):+.2f} / {ttft([last]) / ttft(fit) - 1:+.0%} | "
+            f"{hit(sizes):.2f} / {ttft(sizes):.0f} ms (hit trend in log2 workers: {trend}) |"
+        )
+    return "\n".join(lines)
+
+
+def _log_trend(points: Sequence[tuple[int, float]], at: Sequence[int]) -> str:
+    """Hit rate on a least-squares line in log2(workers), clipped to [0, 1], at each of ``at``: the
+    alternative to the flat model, for arms whose hit rate moves with the fleet's size."""
+    xs = [math.log2(w) for w, _ in points]
+    ys = [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    return ", ".join(f"{min(1.0, max(0.0, my + slope * (math.log2(w) - mx))):.2f}" for w in at)
+
+
 def _save(rows: Sequence[dict[str, Any]], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"rows": list(rows)}, indent=1))
@@ -642,6 +703,8 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     print(versus_kv(rows))
     print()
     print(docs_table(rows))
+    print()
+    print(model(rows))
     if not args.quick:
         _save(rows, args.out)
         chart(rows, args.out.with_suffix(".png"))
