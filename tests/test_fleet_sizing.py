@@ -85,5 +85,5 @@ def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callab
     assert len(set(stack.worker_ids)) == 8  # one process, eight workers, each its own instance
     report = diagnose(stack.base_url, requests=3, batch=(2, 8))
     line = next(c for c in report.checks if c.name == "sibling keying")
-    assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: OTEL_SESSION_SIBLINGS=groups:2;")
+    assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: OTEL_SESSION_SIBLINGS=groups:2 (")
     assert report.ok

@@ -133,6 +133,8 @@ def siblings_setting(workers: int, prompts: int, siblings: int) -> str:
     return "prompt" if size >= siblings else f"groups:{size}"
 
 
+#: Siblings per parent in the library's default setting (``groups:2``).
+DEFAULT_GROUP = 2
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
     "key a GRPO step's siblings in groups sized so each worker gets about one group: "
@@ -144,11 +146,24 @@ SIBLINGS_RULE = (
 
 
 def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
-    """The doctor's line for a batch shape: the rule, and this fleet's setting when its size is known."""
+    """The doctor's line for a batch shape: the rule, this fleet's setting when its size is known,
+    and whether the library's default (``groups:2``) is in a cell where it measured worse than kv."""
     if workers is None:
         return f"fleet size unknown (no /health instances): {SIBLINGS_RULE}."
     setting = siblings_setting(workers, prompts, siblings)
+    default_groups = prompts * math.ceil(siblings / DEFAULT_GROUP)
+    if setting == f"groups:{DEFAULT_GROUP}":
+        verdict = "the default (groups:2) is that setting"
+    elif siblings > 1 and default_groups < workers:
+        verdict = (
+            f"the default (groups:2) makes {default_groups} groups for {workers} workers, fewer than the "
+            "workers: there it measured slower than kv routing alone (TTFT), so set it"
+        )
+    else:
+        verdict = (
+            "the default (groups:2) fills the fleet too; this setting measured better where caches are tight"
+        )
     return (
-        f"{workers} workers, {prompts} prompts x {siblings} siblings: OTEL_SESSION_SIBLINGS={setting}; "
-        f"the rule: {SIBLINGS_RULE}."
+        f"{workers} workers, {prompts} prompts x {siblings} siblings: OTEL_SESSION_SIBLINGS={setting} "
+        f"({verdict}); the rule: {SIBLINGS_RULE}."
     )
