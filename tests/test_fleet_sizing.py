@@ -72,8 +72,11 @@ def test_siblings_setting(workers: int, prompts: int, siblings: int, setting: st
 
 def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert siblings_note(64, 8, 16).startswith(
-        "64 workers, 8 prompts x 16 siblings: OTEL_SESSION_SIBLINGS=groups:2;"
+        "64 workers, 8 prompts x 16 siblings: OTEL_SESSION_SIBLINGS=groups:2 (the default (groups:2) is"
     )
+    idle = siblings_note(32, 4, 8)  # 16 default groups for 32 workers
+    assert "OTEL_SESSION_SIBLINGS=attempt" in idle and "makes 16 groups for 32 workers" in idle
+    assert "fills the fleet too" in siblings_note(32, 16, 8)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
 
 
