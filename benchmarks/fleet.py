@@ -473,29 +473,25 @@ def versus_kv(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-DOC_ARMS = ("kv", "kv+attempt", "kv+prompt", "kv+auto", "rr", "rr+attempt")
-
-
 def docs_table(rows: Sequence[dict[str, Any]]) -> str:
     """The table docs/performance.md leads with: per cell, hit rate of turns 2+ and mean TTFT of all
-    turns of the arms a user chooses between, each a range over the repeats."""
+    turns for the arms a user chooses between (:data:`CHART_ARMS`), each a range over the repeats."""
     cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for r in rows:
-        cells.setdefault(r["cell"], {}).setdefault(r["arm"], []).append(r)
-    arms = [a for a in DOC_ARMS if any(a in by_arm for by_arm in cells.values())]
+        cells.setdefault(r["cell"], {}).setdefault(chart_arm(r), []).append(r)
+    arms = [a for a in CHART_ARMS if any(a in by_arm for by_arm in cells.values())]
     lines = [
-        "| workers, blocks/worker, prompts x siblings | runs | ceiling | " + " | ".join(arms) + " |",
+        "| workers, KV blocks/worker, prompts x siblings | runs | ceiling | "
+        + " | ".join(CHART_ARMS[a] for a in arms)
+        + " |",
         "|" + "---|" * (3 + len(arms)),
     ]
-    order = sorted(
-        cells,
-        key=lambda c: (
-            cells[c]["kv"][0]["blocks"] if "kv" in cells[c] else 0,
-            cells[c][next(iter(cells[c]))][0]["workers"],
-            c,
-        ),
-    )
-    for cell in order:
+
+    def order(cell: str) -> tuple[int, int, int, int]:
+        r = next(iter(cells[cell].values()))[0]
+        return (r["blocks"], r["siblings"] == 1, r["workers"], r["prompts"])
+
+    for cell in sorted(cells, key=order):
         by_arm = cells[cell]
 
         def fig(arm: str, by_arm: dict[str, list[dict[str, Any]]] = by_arm) -> str:
@@ -506,7 +502,7 @@ def docs_table(rows: Sequence[dict[str, Any]]) -> str:
             ttft = _span([r["ttft_all_ms"] for r in rs if r["ttft_all_ms"] is not None], ".0f")
             return f"{hit} / {ttft} ms"
 
-        runs = max(len(rs) for rs in by_arm.values())
+        runs = _span([float(len(rs)) for rs in by_arm.values()], ".0f")
         ceiling = _span([r["ceiling"] for rs in by_arm.values() for r in rs], ".2f")
         lines.append(f"| {cell} | {runs} | {ceiling} | " + " | ".join(fig(a) for a in arms) + " |")
     return "\n".join(lines)

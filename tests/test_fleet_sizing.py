@@ -17,6 +17,7 @@ from otel_session.dynamo.sizing import (
     siblings_setting,
     step_bindings,
     step_note,
+    step_rule,
 )
 
 
@@ -89,4 +90,13 @@ def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callab
     report = diagnose(stack.base_url, requests=3, batch=(2, 8))
     line = next(c for c in report.checks if c.name == "sibling keying")
     assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: OTEL_SESSION_SIBLINGS=groups:2 (")
+    assert "the bindings of 3,276 steps fit" in next(
+        c.detail for c in report.checks if c.name == "session table per step"
+    )
     assert report.ok
+
+
+def test_the_step_rule_counts_whole_steps() -> None:
+    assert "the bindings of 6 steps fit" in step_rule(8192) and "within 6 step intervals" in step_rule(8192)
+    assert "no TTL fits" in step_rule(BUDGET + 1) and "529" in step_rule(BUDGET + 1)
+    assert "the bindings of 1 step fit" in step_rule(BUDGET) and "1 step interval " in step_rule(BUDGET)

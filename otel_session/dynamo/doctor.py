@@ -18,7 +18,7 @@ import otel_session
 from otel_session import SESSION_HEADER, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
 from otel_session.dynamo._library_log import no_session_on_purpose
-from otel_session.dynamo.sizing import FULL_ANSWER, siblings_note, sizing_note
+from otel_session.dynamo.sizing import FULL_ANSWER, siblings_note, sizing_note, step_rule
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -242,3 +242,4 @@ def _advise_siblings(report: Report, base_url: str, prompts: int, siblings: int)
     except Exception:  # an old frontend or a proxy without /health: advise without the fleet's size
         instances = set()
     report.add("sibling keying", True, siblings_note(len(instances) or None, prompts, siblings))
+    report.add("session table per step", True, step_rule(prompts * siblings))

@@ -96,6 +96,23 @@ def largest_step_ttl(per_step: int, step_secs: float, trajectory_secs: float = 0
     return ttl if ttl >= 1 else None
 
 
+def step_rule(per_step: int) -> str:
+    """The doctor's line for a batch shape when the step interval is not known: how many steps'
+    bindings fit, hence how long TTL plus a trajectory may last in step intervals."""
+    steps = BUDGET // per_step if per_step > 0 else 0
+    if steps < 1:
+        return (
+            f"a step of {per_step:,} trajectories starts more than {BUDGET:,} sessions at once: no TTL "
+            f"fits, and the sessions past the table get {FULL_ANSWER}"
+        )
+    plural = "s" if steps != 1 else ""
+    return (
+        f"a step of {per_step:,} trajectories: the bindings of {steps:,} step{plural} fit in {BUDGET:,}, "
+        f"so keep TTL + one trajectory's duration within {steps:,} step interval{plural} "
+        "(bindings ~= trajectories per step x ceil((duration + TTL) / interval))"
+    )
+
+
 def step_note(
     per_step: int, step_secs: float, ttl_secs: int | None = None, trajectory_secs: float = 0.0
 ) -> str:
