@@ -508,6 +508,34 @@ def docs_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def default_vs_kv(rows: Sequence[dict[str, Any]]) -> str:
+    """The library's default against kv routing alone, cell by cell: what docs/performance.md
+    states as "never worse" or not. Means over repeats; "worse" as in :func:`versus_kv`, and the
+    TTFT verdict also names kv's own spread (slowest over fastest repeat)."""
+    cells: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        cells.setdefault(r["cell"], {}).setdefault(chart_arm(r), []).append(r)
+    lines = [
+        "| cell | runs (default, kv) | hit 2+: default - kv | TTFT all turns: default / kv "
+        "| kv's own spread | verdict |",
+        "|" + "---|" * 6,
+    ]
+    for cell, by_arm in cells.items():
+        base, ours = by_arm.get("kv"), by_arm.get("kv+default")
+        if not base or not ours:
+            continue
+        d_hit = statistics.fmean(r["hit_rate"] for r in ours) - statistics.fmean(r["hit_rate"] for r in base)
+        t_ours = statistics.fmean(r["ttft_all_ms"] for r in ours)
+        t_base = [r["ttft_all_ms"] for r in base]
+        worse = [w for w, bad in (("hit", d_hit < -0.01), ("TTFT", t_ours > max(t_base))) if bad]
+        lines.append(
+            f"| {cell} | {len(ours)}, {len(base)} | {d_hit:+.2f} | "
+            f"{t_ours / statistics.fmean(t_base):.2f}x | {max(t_base) / min(t_base):.2f}x | "
+            f"{'worse: ' + ', '.join(worse) if worse else 'not worse'} |"
+        )
+    return "\n".join(lines)
+
+
 #: The arms the chart draws, and their labels; ``kv+groups:2`` is the default's setting (rows measured
 #: before the siblings API had no ``kv+default`` arm), so the two are drawn as one.
 CHART_ARMS = {
@@ -699,6 +727,8 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     print(versus_kv(rows))
     print()
     print(docs_table(rows))
+    print()
+    print(default_vs_kv(rows))
     print()
     print(model(rows))
     if not args.quick:
