@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet import ARMS, Attempt, Cell, Request, group_size, main, measure, siblings_of
+from benchmarks.fleet import (
+    ARMS,
+    Attempt,
+    Cell,
+    Request,
+    default_vs_kv,
+    group_size,
+    main,
+    measure,
+    siblings_of,
+)
 
 
 def _req(turn: int, worker: int, prompt: int, cached: int, start: float, end: float) -> Request:
@@ -65,3 +75,22 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
     kv = next(r for r in rows if r["arm"] == "kv+attempt")
     rr = next(r for r in rows if r["arm"] == "rr")
     assert kv["hit_rate"] > rr["hit_rate"]  # type: ignore[operator]
+
+
+def _row(arm: str, hit: float, ttft: float, cell: str = "32w 256blk 16x8") -> dict[str, object]:
+    return {"cell": cell, "arm": arm, "hit_rate": hit, "ttft_all_ms": ttft, "workers": 32, "blocks": 256}
+
+
+def test_the_default_is_judged_against_kv_and_its_spread() -> None:
+    rows = [
+        _row("kv", 0.6, 100),
+        _row("kv", 0.5, 150),
+        _row("kv+groups:2", 0.7, 140),
+        _row("kv+default", 0.7, 145),
+    ]
+    line = default_vs_kv(rows).splitlines()[-1]
+    assert line == "| 32w 256blk 16x8 | 2, 2 | +0.15 | 1.14x | 1.50x | not worse |"  # groups:2 pooled
+    slower = default_vs_kv([*rows[:2], _row("kv+default", 0.9, 151)]).splitlines()[-1]
+    assert slower.endswith("| worse: TTFT |")
+    lower = default_vs_kv([*rows[:2], _row("kv+default", 0.53, 90)]).splitlines()[-1]
+    assert lower.endswith("| worse: hit |")
