@@ -32,6 +32,7 @@ from otel_session import _config, _faults, _settings
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 # Upstream's unwrap puts back ``getattr(cls, name).__wrapped__``: a bound wrapper, when ours was below.
 _WRAPPERS = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
+_bind = wrapt.FunctionWrapper.__get__  # wrapt's own binding, called straight from ``Patched.__get__``
 
 
 class BoundPatched(wrapt.BoundFunctionWrapper[..., Any]):
@@ -65,6 +66,20 @@ class Patched(wrapt.FunctionWrapper[..., Any]):
         super().__init__(wrapped, wrapper)
         self._self_owner_of = owner
         self._self_attribute = attribute
+        self._self_through: Any = None
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """Through an instance, wrapt's binding; through a class, one object every time, as
+        ``Class.method`` (a function or staticmethod) is for the original: cloudpickle, how Ray
+        ships functions, sends one by name only when its name looks up that very object, and else
+        copies its code, which runs unpatched there and fails on a global it cannot pickle (a lock)."""
+        if instance is not None or owner is None or self._self_binding == "classmethod":
+            return _bind(self, instance, owner)  # a classmethod is bound anew each time, as unpatched
+        through = self._self_through
+        if through is None:
+            holder = self._self_owner_of if isinstance(self._self_owner_of, type) else owner
+            through = self._self_through = _bind(self, None, holder)
+        return through
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         owner = self._self_owner_of

@@ -1,0 +1,126 @@
+"""An outside attack on the fourth round's changes (issue 28, item 5), each case one way a user's own
+code meets the patched methods, the fork rules or the import hooks, over loopback with real parts.
+
+What held is summarised in the commit messages; what is here failed on main 22dbd7a.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+import otel_session
+from otel_session import _registry
+from tests.recorder import Recorder
+
+AGENT = '''
+import threading
+LOCK = threading.Lock()  # a module global a method uses: by value, it cannot be pickled
+
+class Agent:
+    def run(self, x):
+        with LOCK:
+            return x
+    @staticmethod
+    def plain(x):
+        with LOCK:
+            return x
+    @classmethod
+    def build(cls, x):
+        with LOCK:
+            return x
+
+def rollout(sample_idx, prompt):
+    with LOCK:
+        return prompt
+'''
+
+
+@pytest.fixture
+def agent_module(new_module: Callable[[str, str], str]) -> Iterator[tuple[ModuleType, str]]:
+    name = new_module("attack_agent", AGENT)
+    yield importlib.import_module(name), name
+
+
+def _by_reference(cloudpickle: Any, value: Any) -> bool:
+    """Whether cloudpickle (what Ray ships functions with) saves ``value`` by name, as pickle does,
+    rather than by value (a copy of its code and globals, which bypasses any patch and fails on an
+    unpicklable global)."""
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception:
+        return False
+    return b"co_" not in data and b"_make_function" not in data and b"_builtin_type" not in data
+
+
+def test_cloudpickle_ships_every_patched_target_by_name_as_it_does_the_original(
+    agent_module: tuple[ModuleType, str],
+) -> None:
+    """Ray pickles with cloudpickle, which saves a function by name only when looking the name up
+    gives the very same object; a method reached through its class (``Agent.run``, a staticmethod)
+    must stay that object once patched, or Ray copies its code: the copy runs outside the boundary,
+    and a method using an unpicklable global (a lock, a client) cannot be sent at all."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    import starlette.applications
+
+    module, name = agent_module
+    reached = {
+        "Agent.run": lambda: module.Agent.run,
+        "Agent.plain": lambda: module.Agent.plain,
+        "rollout": lambda: module.rollout,
+        "Starlette.__call__": lambda: starlette.applications.Starlette.__call__,
+        "HTTPTransport.handle_request": lambda: httpx.HTTPTransport.handle_request,
+    }
+    before = {label: _by_reference(cloudpickle, get()) for label, get in reached.items()}
+    assert all(before.values()), before
+    otel_session.configure(
+        dynamo_hosts=["127.0.0.1:9"],
+        servers=True,
+        trajectory_functions=[f"{name}:Agent.run", f"{name}:Agent.plain", f"{name}:rollout"],
+    )
+    patched = {owner.__dict__[attribute] for found in _targets() for owner, attribute in found}
+    assert module.Agent.__dict__["run"] in patched
+    assert httpx.HTTPTransport.__dict__["handle_request"] in patched
+    after = {label: _by_reference(cloudpickle, get()) for label, get in reached.items()}
+    assert after == before
+    shipped = pickle.loads(cloudpickle.dumps(module.Agent.run))
+    assert hasattr(shipped, "__wrapped__")  # the boundary itself, looked up again where it is loaded
+    assert module.Agent.run is module.Agent.run  # what cloudpickle checks: a function reached twice
+
+
+def _targets() -> list[list[tuple[Any, str]]]:
+    return [_registry.instrumentor(name).patched() for name in _registry.instrumentors()]
+
+
+class _ChildDone(Exception):
+    """Raised in a fork child only, to unwind it through the ``with`` block as ``sys.exit`` would."""
+
+
+def test_a_fork_child_leaving_the_trajectory_does_not_end_the_parents_session(dynamo: Recorder) -> None:
+    """A raw fork child keeps the trajectory (a copy of its parent); when it leaves the ``with``
+    block (``sys.exit`` in the child unwinds through it) the attempt is still the parent's: the
+    child must not tell the router the session is over while the parent goes on using it."""
+    otel_session.configure(routers={"vllm-router": [dynamo.authority]}, end_sessions=True)
+    try:
+        with otel_session.trajectory() as attempt:
+            httpx.get(f"{dynamo.url}/v1/before", timeout=10)
+            pid = os.fork()
+            if pid == 0:
+                httpx.get(f"{dynamo.url}/v1/in-child", timeout=10)
+                raise _ChildDone
+            os.waitpid(pid, 0)
+            finished_early = [s for s in dynamo.requests if s.path == "/finish_session"]
+            httpx.get(f"{dynamo.url}/v1/after", timeout=10)
+    except _ChildDone:  # the child only: never back into pytest
+        os._exit(0)
+    assert finished_early == []
+    in_child = [s.get("X-Session-ID") for s in dynamo.requests if s.path == "/v1/in-child"]
+    assert in_child == [attempt.session_id]
+    assert len([s for s in dynamo.requests if s.path == "/finish_session"]) == 1  # the parent's, at its end
