@@ -28,6 +28,7 @@ from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 from otel_session import _config, _faults, _settings
+from otel_session.instrumentation._reloads import when_reloaded
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 # Upstream's unwrap puts back ``getattr(cls, name).__wrapped__``: a bound wrapper, when ours was below.
@@ -164,13 +165,14 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
                 # Runs at once if the library is imported already; the hook cannot be removed, so it
                 # checks ``active`` whenever it fires.
                 wrapt.register_post_import_hook(self._imported, self.library)
+                when_reloaded(self.library, self._imported)
                 return
         if module is not None:
             self._imported(module)
 
     def _imported(self, module: ModuleType) -> None:
         with self._lock:
-            if not self.active or self._installed:
+            if not self.active:
                 return
             try:
                 conflict = self._conflict()
