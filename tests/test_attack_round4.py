@@ -201,3 +201,27 @@ def test_apps_built_from_a_reloaded_starlette_get_the_middleware(
         seen = httpx.get(f"{server.url}/who", headers={"baggage": f"session.id={sent}"}, timeout=10).json()
     assert seen == {"session": sent}
 
+
+
+ENVIRONMENTS = '''
+class Env:
+    @classmethod
+    def build(cls, x):
+        return cls.__name__
+
+class SubEnv(Env):
+    pass
+'''
+
+
+def test_a_patched_classmethod_reached_through_a_subclass_pickles_bound_to_that_subclass(
+    new_module: Callable[[str, str], str],
+) -> None:
+    """``pickle.dumps(SubEnv.build)`` saves the method bound to ``SubEnv``: once ``Env.build`` was a
+    named boundary, the copy came back bound to ``Env`` (a factory building the base class)."""
+    module = importlib.import_module(new_module("attack_envs", ENVIRONMENTS))
+    named = [f"{module.__name__}:Env.build"]
+    otel_session.configure(dynamo_hosts=["127.0.0.1:9"], trajectory_functions=named)
+    assert hasattr(module.Env.__dict__["build"], "__wrapped__")
+    for reached in (module.SubEnv.build, module.SubEnv().build):
+        assert pickle.loads(pickle.dumps(reached))(0) == "SubEnv"

@@ -42,8 +42,11 @@ class BoundPatched(wrapt.BoundFunctionWrapper[..., Any]):
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         parent = self._self_parent
-        instance = self._self_instance if self._self_binding not in ("classmethod", "staticmethod") else None
-        holder = instance if instance is not None else getattr(parent, "_self_owner_of", None)
+        if self._self_binding == "classmethod":  # bound to the class it was reached through, a subclass too
+            holder = getattr(self.__wrapped__, "__self__", None)
+        else:
+            instance = self._self_instance if self._self_binding != "staticmethod" else None
+            holder = instance if instance is not None else getattr(parent, "_self_owner_of", None)
         if holder is None:
             return self.__wrapped__.__reduce_ex__(protocol)
         return getattr, (holder, parent._self_attribute)
