@@ -67,33 +67,40 @@ def test_cloudpickle_ships_every_patched_target_by_name_as_it_does_the_original(
     """Ray pickles with cloudpickle, which saves a function by name only when looking the name up
     gives the very same object; a method reached through its class (``Agent.run``, a staticmethod)
     must stay that object once patched, or Ray copies its code: the copy runs outside the boundary,
-    and a method using an unpicklable global (a lock, a client) cannot be sent at all."""
+    and a method using an unpicklable global (a lock, a client) cannot be sent at all. Every target
+    the instrumentors patched is walked, before (unconfigured) and after."""
     cloudpickle = pytest.importorskip("ray.cloudpickle")
-    import starlette.applications
+    import aiohttp
+    import aiohttp.web
+    import fastapi  # noqa: F401
+    import starlette.applications  # noqa: F401
 
     module, name = agent_module
-    reached = {
-        "Agent.run": lambda: module.Agent.run,
-        "Agent.plain": lambda: module.Agent.plain,
-        "rollout": lambda: module.rollout,
-        "Starlette.__call__": lambda: starlette.applications.Starlette.__call__,
-        "HTTPTransport.handle_request": lambda: httpx.HTTPTransport.handle_request,
-    }
-    before = {label: _by_reference(cloudpickle, get()) for label, get in reached.items()}
-    assert all(before.values()), before
     otel_session.configure(
         dynamo_hosts=["127.0.0.1:9"],
         servers=True,
         trajectory_functions=[f"{name}:Agent.run", f"{name}:Agent.plain", f"{name}:rollout"],
     )
-    patched = {owner.__dict__[attribute] for found in _targets() for owner, attribute in found}
-    assert module.Agent.__dict__["run"] in patched
-    assert httpx.HTTPTransport.__dict__["handle_request"] in patched
-    after = {label: _by_reference(cloudpickle, get()) for label, get in reached.items()}
-    assert after == before
+    targets = [(owner, attribute) for found in _targets() for owner, attribute in found]
+    assert (module.Agent, "run") in targets and (httpx.HTTPTransport, "handle_request") in targets
+    assert (aiohttp.ClientRequest, "send") in targets
+
+    def seen() -> dict[tuple[Any, str], tuple[bool, bool]]:
+        return {
+            (owner, attribute): (
+                getattr(owner, attribute) is getattr(owner, attribute),
+                _by_reference(cloudpickle, getattr(owner, attribute)),
+            )
+            for owner, attribute in targets
+        }
+
+    after = seen()
     shipped = pickle.loads(cloudpickle.dumps(module.Agent.run))
     assert hasattr(shipped, "__wrapped__")  # the boundary itself, looked up again where it is loaded
-    assert module.Agent.run is module.Agent.run  # what cloudpickle checks: a function reached twice
+    otel_session.unconfigure()
+    before = seen()
+    assert before[(module.Agent, "run")] == (True, True)  # what the walk compares can differ
+    assert after == before
 
 
 def _targets() -> list[list[tuple[Any, str]]]:
