@@ -232,3 +232,70 @@ def test_a_patched_classmethod_reached_through_a_subclass_pickles_bound_to_that_
     assert hasattr(module.Env.__dict__["build"], "__wrapped__")
     for reached in (module.SubEnv.build, module.SubEnv().build):
         assert pickle.loads(pickle.dumps(reached))(0) == "SubEnv"
+
+
+RAY_ROLLOUTS = '''
+import threading
+import httpx
+import otel_session
+
+LOCK = threading.Lock()  # a global cloudpickle cannot copy: the function must travel by name
+
+class Agent:
+    @staticmethod
+    def episode(url):
+        with LOCK:
+            httpx.get(f"{url}/v1/shipped", timeout=10)
+        return otel_session.current_session_id()
+
+def run_episode(url):
+    httpx.get(f"{url}/v1/working-dir", timeout=10)
+    return otel_session.current_session_id()
+'''
+
+
+@pytest.mark.slow
+def test_ray_workers_whose_code_arrives_by_working_dir(tmp_path: Any, dynamo: Recorder) -> None:
+    """Ray workers configured from the environment (``OTEL_SESSION_AUTO``) whose rollout module only
+    arrives by ``working_dir``, after they started: the named functions are boundaries there, called
+    by name in a task and handed over by the driver as an argument (cloudpickle, by name)."""
+    ray = pytest.importorskip("ray")
+    (tmp_path / "wd").mkdir()
+    (tmp_path / "wd" / "attack_ray_rollouts.py").write_text(RAY_ROLLOUTS)
+    names = "attack_ray_rollouts:run_episode,attack_ray_rollouts:Agent.episode"
+    env = {
+        "OTEL_SESSION_AUTO": "true",
+        "OTEL_SESSION_DYNAMO_HOSTS": dynamo.authority,
+        "OTEL_SESSION_TRAJECTORY_FUNCTIONS": names,
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    sys.path.insert(0, str(tmp_path / "wd"))
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    try:
+        otel_session.configure(dynamo_hosts=[dynamo.authority], trajectory_functions=names.split(","))
+        rollouts = importlib.import_module("attack_ray_rollouts")
+        ray.init(
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"working_dir": str(tmp_path / "wd"), "env_vars": env},
+        )
+
+        @ray.remote
+        def by_name(url: str) -> str | None:
+            return importlib.import_module("attack_ray_rollouts").run_episode(url)  # type: ignore[no-any-return]
+
+        @ray.remote
+        def handed(episode: Callable[[str], str | None], url: str) -> str | None:
+            return episode(url)
+
+        sessions = ray.get([by_name.remote(dynamo.url), handed.remote(rollouts.Agent.episode, dynamo.url)])
+    finally:
+        ray.shutdown()
+        sys.path.remove(str(tmp_path / "wd"))
+        sys.modules.pop("attack_ray_rollouts", None)
+    assert None not in sessions and len(set(sessions)) == 2
+    sent = {s.path: s.get("X-Dynamo-Session-ID") for s in dynamo.requests}
+    assert [sent["/v1/working-dir"], sent["/v1/shipped"]] == sessions
