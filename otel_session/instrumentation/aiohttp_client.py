@@ -20,7 +20,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
-from otel_session import _carriers, _faults, _hop, _propagator
+from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
 from otel_session._context import HOP_KEY
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -99,6 +99,8 @@ def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _P
         offered = _hop.current()
         if offered is None and _hop.untold:  # until a request to a router outside any trajectory
             _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
+        if offered is None and _metrics.recording():
+            _metrics.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
         if offered is not None:
             url = instance.url
             if _over_unix_socket(args, kwargs):
@@ -162,7 +164,10 @@ async def _hop_send(
             _in_flight.pop(id(sent), None)
         return await sending
     try:
-        return await sending
+        response = await sending
+        if plan is not None and plan.route.profile is not None:
+            _answered(response, instance)
+        return response
     finally:
         try:
             if token is not None:
@@ -173,6 +178,36 @@ async def _hop_send(
                     _restore(sent, saved, names)
         except Exception as exc:
             _faults.report("restoring request headers", exc)
+
+
+def _answered(response: Any, request: Any) -> None:
+    """An error answer (429, 5xx) from a router to a hop of ours goes to ``_evidence``."""
+    try:
+        status = response.status
+        if status >= 500 or status == 429:
+            url = request.url
+            _evidence.answered_status(status, url.scheme, url.raw_host, url.port)
+    except Exception as exc:  # evidence lost, never the response
+        _faults.report("reading a response's status", exc)
+
+
+def _json(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientResponse.json``, which the application calls to read a body it asked for: inside a
+    trajectory, the JSON it returns is shown to ``_evidence`` (usage, Dynamo's worker) after the
+    application's own read, from a coroutine of ours; anywhere else the original's, untouched."""
+    reading = wrapped(*args, **kwargs)
+    if not _INSTRUMENTOR.active or _hop.current() is None:
+        return reading
+    return _read_json(reading, instance.url)
+
+
+async def _read_json(reading: Any, url: Any) -> Any:
+    data = await reading
+    try:
+        _evidence.parsed(data, url.scheme, url.raw_host, url.port)
+    except Exception as exc:  # evidence lost, never the body
+        _faults.report("reading the usage of an aiohttp response", exc)
+    return data
 
 
 def _edit(headers: Any, edits: list[tuple[str, str | None]], held: dict[str, str]) -> None:
@@ -215,7 +250,7 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
     upstream = ("opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor")
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
-        return [(module.ClientRequest, "send", _send)]
+        return [(module.ClientRequest, "send", _send), (module.ClientResponse, "json", _json)]
 
 
 _INSTRUMENTOR = AioHttpSessionInstrumentor()
