@@ -26,11 +26,13 @@ from otel_session._metrics import Router
 
 SESSIONS_KEPT = 16_384  # (session, router) pairs remembered: more than any run keeps in flight
 MIN_HISTORY = 32  # a previous prompt shorter than this (two KV blocks) says too little to judge
-HIT_SHARE = 0.75  # a later turn "hit" when this share of the previous prompt came from cache
+MISS_SLACK = 64  # a later turn "missed" when more than this many of the previous prompt's tokens were
+# not served from cache: a hit loses less than one KV block (16 to 64 tokens in common engines)
 MIN_JUDGED = 12  # later turns judged at a router before the cache evidence may speak
 MISS_ALARM = 0.5  # ... and it speaks when at least this share of them missed
 MIN_PAIRS = 8  # turn pairs with both workers known before the worker evidence may speak
 SWITCH_ALARM = 0.4  # ... and it speaks when at least this share of them switched worker
+MIN_PAUSE = 1.0  # seconds: Dynamo's shortest TTL; a shorter pause says nothing of one
 OVERLOADED = 529  # Dynamo's answer to a new session when its affinity table is full
 
 
@@ -57,8 +59,8 @@ class RouterEvidence:
     crossed_missed: int = 0
     refused: int = 0  # 529 answers to requests carrying a session
     errors: int = 0
-    hit_gaps: list[float] = field(default_factory=list)  # pause before each judged turn, hit or missed
-    miss_gaps: list[float] = field(default_factory=list)
+    # (pause before it, whether it missed or switched) for each later turn judged by cache or worker
+    gaps: list[tuple[float, bool]] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
 
     def summary(self) -> dict[str, Any]:
@@ -156,20 +158,20 @@ def turn(session: str, router: Router, prompt: int, cached: int | None, worker: 
         later = last.turns > 0
         crossed = later and last.router is not None and last.router != router and last.router[0] == router[0]
         seen.crossed += crossed
+        missed: bool | None = None
         switched = None
         history = last.prompt if later and cached is not None and last.prompt is not None else 0
         if history >= MIN_HISTORY and prompt >= history:  # the history was sent again: cacheable
-            missed = cached is not None and cached < HIT_SHARE * history
+            missed = cached is not None and cached + MISS_SLACK < history
             seen.judged += 1
             seen.missed += missed
             seen.crossed_missed += missed and crossed
-            gaps = seen.miss_gaps if missed else seen.hit_gaps
-            if len(gaps) < GAPS_KEPT:
-                gaps.append(now - last.ended)
         if later and worker is not None and last.worker is not None:
             switched = worker != last.worker
             seen.pairs += 1
             seen.switched += switched
+        if (missed is not None or switched is not None) and len(seen.gaps) < GAPS_KEPT:
+            seen.gaps.append((now - last.ended, bool(missed or switched)))
         message = _verdict(router, seen)
     attributes = {**_metrics.router_attributes(router), _metrics.TURN: "later" if later else "first"}
     _metrics.turns.add(1, attributes)
@@ -237,7 +239,7 @@ def _verdict(router: Router, seen: RouterEvidence) -> str | None:
     if cache_broken:
         found.append(
             f"{seen.missed} of {seen.judged} later turns of sessions were served with less than "
-            f"{HIT_SHARE:.0%} of the previous turn's prompt cached"
+            f"the previous turn's prompt cached (all but {MISS_SLACK} tokens)"
         )
     if workers_broken:
         found.append(f"{seen.switched} of {seen.pairs} later turns moved to another worker")
@@ -249,16 +251,14 @@ def _verdict(router: Router, seen: RouterEvidence) -> str | None:
 
 def _cause(router: Router, seen: RouterEvidence) -> str:
     """The likeliest cause, from when the misses happened, and its fix."""
-    if seen.hit_gaps and seen.miss_gaps and seen.missed < seen.judged:
-        longest_hit = max(seen.hit_gaps)
-        late = sorted(seen.miss_gaps)[len(seen.miss_gaps) // 4]  # most misses came after this pause
-        if late > longest_hit + 0.5:
-            return (
-                f"Turns after a pause of {late:.0f} s or more missed, sooner ones hit: the router forgets "
-                f"a session after an idle TTL shorter than the pauses inside a trajectory; for Dynamo "
-                f"raise --router-session-affinity-ttl-secs a little above the longest tool or environment "
-                f'pause (within docs/integrations.md, "Capacity").'
-            )
+    pause = _pause_that_breaks(seen.gaps)
+    if pause is not None:
+        return (
+            f"Turns after a pause of {pause:.1f} s or more went wrong, sooner ones did not: the router "
+            f"forgets a session after an idle TTL shorter than the pauses inside a trajectory; for "
+            f"Dynamo raise --router-session-affinity-ttl-secs a little above the longest tool or "
+            f'environment pause (within docs/integrations.md, "Capacity").'
+        )
     if seen.crossed_missed * 2 >= seen.missed and seen.crossed * 2 >= seen.judged:
         return (
             "Most of the sessions' turns alternated between addresses of this router kind (several "
@@ -281,6 +281,20 @@ def _cause(router: Router, seen: RouterEvidence) -> str:
         f"forgets sessions sooner than the pauses between turns, or several router replicas share "
         f"one address without sharing their session table (put an ingress hash on the session header)."
     )
+
+
+def _pause_that_breaks(gaps: list[tuple[float, bool]]) -> float | None:
+    """The pause (at least ``MIN_PAUSE`` s) after which turns go wrong, where at least 5 turns after
+    shorter pauses, at most half as long, all went right and at least 40 % of the later ones did not;
+    ``None`` where the turns went wrong whatever the pause."""
+    ordered = sorted(gaps)
+    for split in range(5, len(ordered) - 4):
+        short, long = ordered[:split], ordered[split:]
+        if any(bad for _, bad in short) or long[0][0] < MIN_PAUSE or long[0][0] < 2 * short[-1][0]:
+            continue
+        if sum(bad for _, bad in long) >= SWITCH_ALARM * len(long):
+            return long[0][0]
+    return None
 
 
 def summaries() -> dict[str, dict[str, Any]]:
