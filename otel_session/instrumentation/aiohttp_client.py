@@ -15,6 +15,7 @@ they do add, to every host: this hook then takes back what is recognisably ours 
 from __future__ import annotations
 
 import socket
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +30,8 @@ from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor,
 # middleware's) copies the caller's, never a copy holding that send's session.
 _in_flight: dict[int, tuple[Any, Any]] = {}
 _NOTHING: dict[str, str] = {}
+# Responses of routers to hops of ours, not started yet: their status is read as they start.
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _folds_case(kind: type) -> bool:
@@ -166,7 +169,7 @@ async def _hop_send(
     try:
         response = await sending
         if plan is not None and plan.route.profile is not None:
-            _answered(response, instance)
+            _watched.add(response)  # its status is known once aiohttp has started it (``_start``)
         return response
     finally:
         try:
@@ -180,15 +183,26 @@ async def _hop_send(
             _faults.report("restoring request headers", exc)
 
 
-def _answered(response: Any, request: Any) -> None:
-    """An error answer (429, 5xx) from a router to a hop of ours goes to ``_evidence``."""
+def _start(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientResponse.start``, which reads the status line: for a router's answer to a hop of ours,
+    awaited in a coroutine of ours to see the status; any other response's coroutine, untouched."""
+    starting = wrapped(*args, **kwargs)
+    if not _watched or instance not in _watched:
+        return starting
+    return _started(starting, instance)
+
+
+async def _started(starting: Any, response: Any) -> Any:
+    started = await starting
     try:
+        _watched.discard(response)
         status = response.status
         if status >= 500 or status == 429:
-            url = request.url
+            url = response.url
             _evidence.answered_status(status, url.scheme, url.raw_host, url.port)
     except Exception as exc:  # evidence lost, never the response
         _faults.report("reading a response's status", exc)
+    return started
 
 
 def _json(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -250,7 +264,11 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
     upstream = ("opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor")
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
-        return [(module.ClientRequest, "send", _send), (module.ClientResponse, "json", _json)]
+        return [
+            (module.ClientRequest, "send", _send),
+            (module.ClientResponse, "start", _start),
+            (module.ClientResponse, "json", _json),
+        ]
 
 
 _INSTRUMENTOR = AioHttpSessionInstrumentor()
