@@ -177,20 +177,41 @@ def run_zero_code(
 
 
 _reader: Any = None
+_prometheus: str | None = None
 
 
 def metrics_reader() -> Any:
     """The real OpenTelemetry SDK reader this test process counts into: a ``MeterProvider`` with an
-    ``InMemoryMetricReader`` set as the global one the first time (the global can be set only once)."""
+    ``InMemoryMetricReader`` (and a ``PrometheusMetricReader``, served by ``prometheus_url``) set as
+    the global one the first time (the global can be set only once)."""
     global _reader
     if _reader is None:
         from opentelemetry import metrics
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
         _reader = InMemoryMetricReader()
-        metrics.set_meter_provider(MeterProvider(metric_readers=[_reader]))
+        metrics.set_meter_provider(MeterProvider(metric_readers=[_reader, PrometheusMetricReader()]))
     return _reader
+
+
+def prometheus_url() -> str:
+    """The same metrics as a Prometheus endpoint on loopback (prometheus_client's own server), as an
+    application exporting them would serve them."""
+    global _prometheus
+    metrics_reader()
+    if _prometheus is None:
+        from prometheus_client import start_http_server
+
+        from tests.loopback import bind_loopback
+
+        sock = bind_loopback()
+        port = sock.getsockname()[1]
+        sock.close()
+        start_http_server(port, addr="127.0.0.1")
+        _prometheus = f"http://127.0.0.1:{port}/metrics"
+    return _prometheus
 
 
 def metric_points() -> dict[tuple[str, frozenset[tuple[str, Any]]], int]:

@@ -12,6 +12,7 @@ tested in tests/test_evidence.py against a stand-in: filling Dynamo's 65,536 bin
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
 import logging
@@ -25,8 +26,9 @@ from opentelemetry import trace
 import otel_session
 from otel_session import _evidence
 from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo
+from otel_session.dynamo.watch import watch
 from otel_session.dynamo.workload import Workload, run_batch, summarize
-from tests.support import DynamoProxy, Forwarded, metric_delta, metric_points, metrics_reader
+from tests.support import DynamoProxy, Forwarded, metric_delta, metric_points, metrics_reader, prometheus_url
 
 WORKLOAD = Workload(prompts=7, siblings=1, turns=4, prompt_words=300, turn_words=60)  # odd: see dynamo-on-cpu
 ALARM = "session affinity is not holding"
@@ -178,3 +180,24 @@ def test_two_frontends_that_keep_their_tables_apart_are_named(
     alarms = _alarms(caplog)
     assert len(alarms) == 1, alarms
     assert "several frontends" in alarms[0] and "ingress hash" in alarms[0]
+
+
+@pytest.mark.parametrize("affinity", [True, False], ids=["healthy", "affinity-off"])
+def test_doctor_watch_reads_the_running_figures_without_a_probe(
+    affinity: bool, request: pytest.FixtureRequest
+) -> None:
+    stack: LocalDynamo = request.getfixturevalue("dynamo_stack" if affinity else "dynamo_stack_no_affinity")
+    out = io.StringIO()
+    with DynamoProxy(f"http://{stack.host}") as proxy:
+        run = lambda _: _run_through(proxy, stack.model_name)  # noqa: E731 (the window's traffic)
+        [app] = watch(prometheus_url(), out, interval=0, samples=1, sleep=run)
+        otel_session.unconfigure()
+        [frontend] = watch(f"http://{stack.host}/metrics", out, interval=0, samples=1, sleep=run)
+    assert len(proxy.requests) == 56  # the two batches' requests, and not one more
+    assert app.later_turns == 21 and app.worker_checks == 21
+    assert (
+        app.verdict() == "healthy" if affinity else app.verdict().startswith("BROKEN: turns of one session")
+    )
+    assert frontend.frontend_input > 0 and frontend.later_turns == 0
+    assert frontend.verdict().startswith("(Dynamo's own figures only")
+    assert "later turns 21" in out.getvalue()

@@ -438,7 +438,33 @@ def _run(args: argparse.Namespace) -> int:
     return 1
 
 
+def _watch_flags(doctor: argparse.ArgumentParser) -> None:
+    """``doctor --watch``: a running deployment's own figures, no probes (``watch.py``)."""
+    doctor.add_argument(
+        "--watch",
+        metavar="METRICS_URL",
+        help="read a Prometheus endpoint the deployment serves (the Dynamo frontend's /metrics, or the "
+        "application's otel_session_* metrics) every --interval seconds; no probe requests",
+    )
+    doctor.add_argument("--interval", type=_whole(1, 3600), default=10, help="seconds between reads (10)")
+    doctor.add_argument("--samples", type=_whole(1, 100_000), help="stop after this many windows")
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from otel_session.dynamo.watch import watch
+
+    try:
+        windows = watch(args.watch, sys.stdout, interval=args.interval, samples=args.samples)
+    except (OSError, ValueError) as exc:
+        raise RunError(f"cannot read {args.watch} ({exc}); give the metrics endpoint's full URL") from None
+    return 1 if any(w.verdict().startswith("BROKEN") for w in windows) else 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
+    if not args.base_url:
+        raise UsageError("doctor: --base-url is required (or --watch METRICS_URL)")
     _check_environment()
     _check_clients()
     from otel_session.dynamo.doctor import diagnose
@@ -508,9 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--base-url",
         type=_flag(_checks.base_url),
-        required=True,
-        help="the Dynamo frontend, e.g. http://dynamo:8000/v1",
+        help="the Dynamo frontend, e.g. http://dynamo:8000/v1 (required unless --watch)",
     )
+    _watch_flags(doctor)
     doctor.add_argument("--model", type=_model, help="model name (default: the first one the frontend lists)")
     doctor.add_argument(
         "--requests", type=_whole(2, 1000), default=6, help="requests per probe session (default 6)"
