@@ -308,7 +308,7 @@ def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
             sent = _at_transport(instance, request)
             args, kwargs = _with_request(args, kwargs, sent)
         response = wrapped(*args, **kwargs)
-    if sent is not request:
+    if sent is not request and response.status_code >= 429:  # an error answer to a hop of ours
         _answered(response, sent)
     return response
 
