@@ -29,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _session_end, _settings, _siblings, _stock, _tracing
+from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -152,6 +152,7 @@ class trajectory(metaclass=_TrajectoryType):
         self.session_id, self.parent_session_id = session, parent
         ctx = trace.set_span_in_context(span, ctx)
         _hop.entered(ctx, session, parent, span)
+        _metrics.trajectory("started")
         self._context = ctx
         self._pid = os.getpid()
         return ctx
@@ -209,6 +210,7 @@ class trajectory(metaclass=_TrajectoryType):
                 otel_context.detach(token)  # type: ignore[arg-type]
             if span is not None:
                 span.end()
+                _metrics.trajectory("ended", exc)
         return visits
 
     def __call__(self, func: _F) -> _F:

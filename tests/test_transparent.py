@@ -22,7 +22,7 @@ import pytest
 import otel_session
 from otel_session import _registry
 
-BOUNDARIES = '''
+BOUNDARIES = """
 class Agent:
     def run(self, x): return x
     async def run_async(self, x): return x
@@ -37,7 +37,7 @@ def rollout(sample_idx, prompt): return prompt
 async def rollout_async(sample_idx, prompt): return prompt
 def rollout_gen(sample_idx): yield sample_idx
 async def rollout_agen(sample_idx): yield sample_idx
-'''
+"""
 NAMED = [
     "Agent.run", "Agent.run_async", "Agent.run_gen", "Agent.run_agen", "Agent.build", "Agent.plain",
     "rollout", "rollout_async", "rollout_gen", "rollout_agen",
