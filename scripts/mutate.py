@@ -31,6 +31,7 @@ TESTS = (
     "tests/test_policy.py",
     "tests/test_hosts.py",
     "tests/test_propagator.py",
+    "tests/test_w3c.py",
     "tests/test_ids.py",
     "tests/test_wire.py",
 )
