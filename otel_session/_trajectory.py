@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Hashable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -28,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _session_end, _settings, _siblings, _stock, _tracing
+from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -97,6 +98,7 @@ class trajectory(metaclass=_TrajectoryType):
         self._span: Span | None = None
         self._visits: set[_session_end.Visit] | None = None
         self._context: Context | None = None
+        self._pid = 0  # the process that began the attempt, the one that ends it
         self.session_id: str | None = None
         self.parent_session_id: str | None = None
 
@@ -150,7 +152,9 @@ class trajectory(metaclass=_TrajectoryType):
         self.session_id, self.parent_session_id = session, parent
         ctx = trace.set_span_in_context(span, ctx)
         _hop.entered(ctx, session, parent, span)
+        _metrics.trajectory("started")
         self._context = ctx
+        self._pid = os.getpid()
         return ctx
 
     def __enter__(self) -> trajectory:
@@ -188,12 +192,16 @@ class trajectory(metaclass=_TrajectoryType):
             await _session_end.finish_async(self.session_id, self.parent_session_id, visits)
 
     def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:
-        """Detach and end the span; returns the routers to tell the session is over (at most once)."""
+        """Detach and end the span; returns the routers to tell the session is over (at most once).
+        A raw fork child leaving the attempt (``sys.exit`` unwinding through the ``with``) only
+        detaches: the attempt, its span and its session's end are the parent's, still running it."""
         token, span, visits = self._token, self._span, self._visits
         self._token, self._visits, self._context = None, None, None
         if self._joined is not None:
             _siblings.leave(self._joined)
             self._joined = None
+        if self._pid != os.getpid():
+            span, visits = None, None
         try:
             if span is not None and exc is not None and span.is_recording():
                 _record_failure(span, exc)
@@ -202,6 +210,7 @@ class trajectory(metaclass=_TrajectoryType):
                 otel_context.detach(token)  # type: ignore[arg-type]
             if span is not None:
                 span.end()
+                _metrics.trajectory("ended", exc)
         return visits
 
     def __call__(self, func: _F) -> _F:

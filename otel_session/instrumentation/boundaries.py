@@ -41,6 +41,7 @@ import wrapt
 from otel_session import _faults, _hop, _settings
 from otel_session._trajectory import as_attempt, trajectory
 from otel_session.instrumentation._base import Patched, SessionInstrumentor, Wrapper
+from otel_session.instrumentation._reloads import when_reloaded
 
 # Arguments that name the sample a rollout function runs, recorded as the attempt's span attribute.
 _SAMPLE_ARGUMENTS = {"sample_idx": "otel_session.sample_index", "traj_idx": "otel_session.sample_index"}
@@ -325,6 +326,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                 if module not in self._hooked:
                     self._hooked.add(module)
                     wrapt.register_post_import_hook(self._module_imported, module)
+                    when_reloaded(module, self._module_reloaded)
                 elif module in sys.modules:
                     self._module_imported(sys.modules[module])
             if self._names and not self.presets and not self._exit_check:
@@ -342,6 +344,12 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                 if name.partition(":")[0] == module.__name__ and name not in self._applied:
                     self._applied.add(name)
                     self._apply(module, name)
+
+    def _module_reloaded(self, module: ModuleType) -> None:
+        """Reloaded: its functions and classes are new, so each name is applied afresh."""
+        with _LOCK:
+            self._applied.difference_update(n for n in self._names if n.partition(":")[0] == module.__name__)
+        self._module_imported(module)
 
     def _apply(self, module: ModuleType, name: str) -> None:
         boundary = _BOUNDARIES[name]
