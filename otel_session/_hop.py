@@ -20,7 +20,7 @@ from typing import NamedTuple
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context, get_current
 
-from otel_session import _faults, _settings, _w3c
+from otel_session import _faults, _metrics, _settings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, session_ids
 from otel_session._hosts import NOWHERE, Route, canonical_origin
 from otel_session._policy import Edit, Offer, names_for, plan
@@ -90,7 +90,10 @@ class Plan:
         return Plan(self._offered, self.route, self.destination, edits)
 
     def delivered(self) -> None:
-        """Record, where sessions are ended, that this hop took the session to its router."""
+        """Record, where sessions are ended, that this hop took the session to its router (and count
+        a request to a router host)."""
+        if self.route.profile is not None:
+            _metrics.sent(self.route.profile, self.destination, self._offered.offer.session)
         note = self._note
         if note is not None:
             note[0].add(note[1])

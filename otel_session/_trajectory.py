@@ -19,7 +19,7 @@ import contextlib
 import functools
 import inspect
 import os
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Hashable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -29,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _session_end, _settings, _stock, _tracing
+from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -51,7 +51,10 @@ class trajectory(metaclass=_TrajectoryType):
 
     Each entry is a new attempt with a fresh UUID4, unless ``session_id`` adopts an existing stable
     ID (NeMo-Gym's per-episode UUID, say). Opened inside another trajectory it gets a new ID of its
-    own, and its requests to Dynamo name the outer one as parent. As a decorator, with or without
+    own, and its requests to Dynamo name the outer one as parent. ``group`` names what siblings
+    share (the prompt of a GRPO group: an index, a hash, any hashable value): attempts of one group
+    open at once name a common parent session as ``configure(siblings=...)`` says (``groups:2`` by
+    default: each two siblings under a parent of their own). As a decorator, with or without
     parentheses, every call of the function is a new attempt.
     """
 
@@ -71,8 +74,17 @@ class trajectory(metaclass=_TrajectoryType):
         sibling_index: int | None = None,
         attempt: int | None = None,
         attributes: Mapping[str, AttributeValue] | None = None,
+        group: Hashable | None = None,
     ) -> None:
         self._adopted = None if session_id is None else check_session_id(session_id)
+        try:
+            hash(group)
+        except TypeError:
+            raise TypeError(
+                f"trajectory(group=...) must be hashable (a str, int or tuple), not {group!r}"
+            ) from None
+        self._group = group
+        self._joined: Hashable | None = None  # the group this attempt is open in, while it is
         self._name = name
         self._attributes: dict[str, AttributeValue] = dict(attributes or {})
         for key, value in (
@@ -95,11 +107,15 @@ class trajectory(metaclass=_TrajectoryType):
         """The trajectory span (non-recording while tracing is off)."""
         return self._span if self._span is not None else trace.INVALID_SPAN
 
-    def _fresh(self, attributes: Mapping[str, AttributeValue] | None = None) -> trajectory:
-        """An unentered copy, so one decorator serves many concurrent calls."""
+    def _fresh(
+        self, attributes: Mapping[str, AttributeValue] | None = None, group: Hashable | None = None
+    ) -> trajectory:
+        """An unentered copy, so one decorator serves many concurrent calls (``group``: in that one)."""
         clone: trajectory = object.__new__(trajectory)
         clone.__dict__.update(self.__dict__)
         clone._attributes = {**self._attributes, **(attributes or {})}
+        if group is not None:
+            clone._group = group
         return clone
 
     def _begin(self) -> Context:
@@ -118,6 +134,10 @@ class trajectory(metaclass=_TrajectoryType):
             parent = grandparent  # re-entering the enclosing session: the same session, the same parent
         elif session == grandparent:
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
+        settings = _settings.current
+        if parent is None and self._group is not None and settings is not None:
+            parent = _siblings.join(self._group, settings.siblings)  # an enclosing trajectory wins
+            self._joined = self._group if parent is not None else None
         ctx = with_session(session, parent, current)
         # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
         visits = None if reentered else _session_end.new_visits()
@@ -132,6 +152,7 @@ class trajectory(metaclass=_TrajectoryType):
         self.session_id, self.parent_session_id = session, parent
         ctx = trace.set_span_in_context(span, ctx)
         _hop.entered(ctx, session, parent, span)
+        _metrics.trajectory("started")
         self._context = ctx
         self._pid = os.getpid()
         return ctx
@@ -176,6 +197,9 @@ class trajectory(metaclass=_TrajectoryType):
         detaches: the attempt, its span and its session's end are the parent's, still running it."""
         token, span, visits = self._token, self._span, self._visits
         self._token, self._visits, self._context = None, None, None
+        if self._joined is not None:
+            _siblings.leave(self._joined)
+            self._joined = None
         if self._pid != os.getpid():
             span, visits = None, None
         try:
@@ -186,6 +210,7 @@ class trajectory(metaclass=_TrajectoryType):
                 otel_context.detach(token)  # type: ignore[arg-type]
             if span is not None:
                 span.end()
+                _metrics.trajectory("ended", exc)
         return visits
 
     def __call__(self, func: _F) -> _F:

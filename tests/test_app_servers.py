@@ -37,7 +37,7 @@ from starlette.websockets import WebSocket
 import otel_session
 from tests.loopback import AsgiServer
 
-STARLETTE_APP = '''
+STARLETTE_APP = """
 from contextlib import asynccontextmanager
 import otel_session
 from starlette.applications import Starlette
@@ -60,9 +60,9 @@ async def ws(websocket):
     await websocket.close()
 
 app = Starlette(routes=[Route("/who", who), WebSocketRoute("/ws", ws)], lifespan=lifespan)
-'''
+"""
 
-AIOHTTP_APP = '''
+AIOHTTP_APP = """
 import sys
 import otel_session
 from aiohttp import web
@@ -74,7 +74,7 @@ app = web.Application()
 app.router.add_get("/who", who)
 if __name__ == "__main__":
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-'''
+"""
 
 
 def free_port() -> int:
@@ -249,5 +249,3 @@ def test_the_servers_serve_without_the_middleware_when_servers_are_off(app_dir: 
     with serving(argv, port, app_dir, OTEL_SESSION_SERVERS="false") as base:
         status, body = ask(base)
         assert status == 200 and body["session"] is None
-
-

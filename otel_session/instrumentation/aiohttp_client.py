@@ -15,12 +15,13 @@ they do add, to every host: this hook then takes back what is recognisably ours 
 from __future__ import annotations
 
 import socket
+import weakref
 from types import ModuleType
 from typing import Any
 
 from opentelemetry import context as otel_context
 
-from otel_session import _carriers, _faults, _hop, _propagator
+from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
 from otel_session._context import HOP_KEY
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -29,6 +30,8 @@ from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor,
 # middleware's) copies the caller's, never a copy holding that send's session.
 _in_flight: dict[int, tuple[Any, Any]] = {}
 _NOTHING: dict[str, str] = {}
+# Responses of routers to hops of ours, not started yet: their status is read as they start.
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _folds_case(kind: type) -> bool:
@@ -99,6 +102,8 @@ def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _P
         offered = _hop.current()
         if offered is None and _hop.untold:  # until a request to a router outside any trajectory
             _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
+        if offered is None and _metrics.recording():
+            _metrics.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
         if offered is not None:
             url = instance.url
             if _over_unix_socket(args, kwargs):
@@ -162,7 +167,10 @@ async def _hop_send(
             _in_flight.pop(id(sent), None)
         return await sending
     try:
-        return await sending
+        response = await sending
+        if plan is not None and plan.route.profile is not None:
+            _watched.add(response)  # its status is known once aiohttp has started it (``_start``)
+        return response
     finally:
         try:
             if token is not None:
@@ -173,6 +181,47 @@ async def _hop_send(
                     _restore(sent, saved, names)
         except Exception as exc:
             _faults.report("restoring request headers", exc)
+
+
+def _start(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientResponse.start``, which reads the status line: for a router's answer to a hop of ours,
+    awaited in a coroutine of ours to see the status; any other response's coroutine, untouched."""
+    starting = wrapped(*args, **kwargs)
+    if not _watched or instance not in _watched:
+        return starting
+    return _started(starting, instance)
+
+
+async def _started(starting: Any, response: Any) -> Any:
+    started = await starting
+    try:
+        _watched.discard(response)
+        status = response.status
+        if status >= 500 or status == 429:
+            url = response.url
+            _evidence.answered_status(status, url.scheme, url.raw_host, url.port)
+    except Exception as exc:  # evidence lost, never the response
+        _faults.report("reading a response's status", exc)
+    return started
+
+
+def _json(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientResponse.json``, which the application calls to read a body it asked for: inside a
+    trajectory, the JSON it returns is shown to ``_evidence`` (usage, Dynamo's worker) after the
+    application's own read, from a coroutine of ours; anywhere else the original's, untouched."""
+    reading = wrapped(*args, **kwargs)
+    if not _INSTRUMENTOR.active or _hop.current() is None:
+        return reading
+    return _read_json(reading, instance.url)
+
+
+async def _read_json(reading: Any, url: Any) -> Any:
+    data = await reading
+    try:
+        _evidence.parsed(data, url.scheme, url.raw_host, url.port)
+    except Exception as exc:  # evidence lost, never the body
+        _faults.report("reading the usage of an aiohttp response", exc)
+    return data
 
 
 def _edit(headers: Any, edits: list[tuple[str, str | None]], held: dict[str, str]) -> None:
@@ -215,7 +264,11 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
     upstream = ("opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor")
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
-        return [(module.ClientRequest, "send", _send)]
+        return [
+            (module.ClientRequest, "send", _send),
+            (module.ClientResponse, "start", _start),
+            (module.ClientResponse, "json", _json),
+        ]
 
 
 _INSTRUMENTOR = AioHttpSessionInstrumentor()

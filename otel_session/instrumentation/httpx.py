@@ -26,7 +26,7 @@ import operator
 from types import ModuleType
 from typing import Any
 
-from otel_session import _carriers, _faults, _hop, _propagator
+from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
 from otel_session._policy import Edit
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -197,6 +197,8 @@ def _at_transport(transport: Any, request: Any) -> Any:
         if offered is None:
             if _hop.untold:  # until a request to a router outside any trajectory has been told of
                 _hop.outside(*_destination(request.url))
+            if _metrics.recording():
+                _metrics.outside(*_destination(request.url))
             return request  # nothing to add from this context
         destination = _where(transport, request)
         plan, held = _planned(offered, request.headers, destination)
@@ -294,23 +296,51 @@ def _with_request(
 
 
 def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The hop planned, sent, and an error answer to a hop we added to noted (``_evidence``)."""
     if len(args) == 1 and not kwargs:  # as httpx calls it: no argument tuple to rebuild
-        return wrapped(_at_transport(instance, args[0]))
-    request = _request_of(args, kwargs)
-    if request is not None:
-        args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
-    return wrapped(*args, **kwargs)
+        request = args[0]
+        sent = _at_transport(instance, request)
+        response = wrapped(sent)
+    else:
+        request = _request_of(args, kwargs)
+        sent = request
+        if request is not None:
+            sent = _at_transport(instance, request)
+            args, kwargs = _with_request(args, kwargs, sent)
+        response = wrapped(*args, **kwargs)
+    if sent is not request and response.status_code >= 429:  # an error answer to a hop of ours
+        _answered(response, sent)
+    return response
 
 
-def _handle_async_request(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def _handle_async_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The async twin of ``_handle_request``: planning needs no awaiting, so the original is called
-    here and its coroutine returned, as unpatched (a call it refuses fails at once)."""
+    here and its coroutine returned, as unpatched (a call it refuses fails at once); a hop we added
+    to is awaited in a coroutine of ours, to see its answer's status."""
     request = _request_of(args, kwargs)
     if request is not None:
-        args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
+        sent = _at_transport(instance, request)
+        args, kwargs = _with_request(args, kwargs, sent)
+        if sent is not request:
+            return _answer_of(wrapped(*args, **kwargs), sent)
     return wrapped(*args, **kwargs)
+
+
+def _answered(response: Any, sent: Any) -> None:
+    """An error answer (429, 5xx) to a hop that carried something of ours goes to ``_evidence``."""
+    try:
+        status = response.status_code
+        if status >= 500 or status == 429:
+            _evidence.answered_status(status, *_destination(sent.url))
+    except Exception as exc:  # evidence lost, never the response
+        _faults.report("reading a response's status", exc)
+
+
+async def _answer_of(sending: Any, sent: Any) -> Any:
+    """Await ``sending`` (the original's coroutine) and look at its answer's status."""
+    response = await sending
+    _answered(response, sent)
+    return response
 
 
 def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
