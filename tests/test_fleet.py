@@ -94,3 +94,11 @@ def test_the_default_is_judged_against_kv_and_its_spread() -> None:
     assert slower.endswith("| worse: TTFT |")
     lower = default_vs_kv([*rows[:2], _row("kv+default", 0.53, 90)]).splitlines()[-1]
     assert lower.endswith("| worse: hit |")
+
+
+def test_workers_per_process_is_checked_before_anything_starts() -> None:
+    from otel_session.dynamo import LocalDynamo
+
+    with pytest.raises(ValueError, match=r"^workers_per_process: "):
+        LocalDynamo(workers=8, workers_per_process=0)
+    assert LocalDynamo(workers=8, workers_per_process=3).workers_per_process == 3

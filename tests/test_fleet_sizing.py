@@ -78,6 +78,8 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     idle = siblings_note(32, 4, 8)  # 16 default groups for 32 workers
     assert "OTEL_SESSION_SIBLINGS=attempt" in idle and "makes 16 groups for 32 workers" in idle
     assert "fills the fleet too" in siblings_note(32, 16, 8)
+    assert "kv routing alone measured a higher hit rate" in siblings_note(128, 64, 8)
+    assert "kv routing alone" not in siblings_note(64, 8, 16) + siblings_note(256, 256, 1)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
 
 
