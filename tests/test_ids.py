@@ -23,7 +23,9 @@ BATCH = 64
 
 def fresh_batch() -> list[str]:
     """One whole batch, from its first ID: ``new_session_id`` draws anew when the batch is empty."""
-    while _ids._batch[0] == os.getpid() and _ids._batch[1]:
+    for _ in range(BATCH):  # bounded: a broken batch must fail the test, not hang it
+        if _ids._batch[0] != os.getpid() or not _ids._batch[1]:
+            break
         new_session_id()
     return [new_session_id() for _ in range(BATCH)]
 
