@@ -5,21 +5,26 @@ in another process; without help their requests would carry no session. ``bind``
 afresh for every call (one copy entered twice at once is an error), and a carrier is a plain dict of
 strings that pickles anywhere.
 
-A forked process is the opposite case: it inherits the context of the thread that forked it, so a
-process pool whose workers fork inside trajectory A would send A's session for all its later work,
-submitted from trajectory B or from none. A forked child therefore starts outside any trajectory,
-and continues one only where it is handed it (``session_carrier`` and ``resume``).
+A process is a case of its own. A raw ``os.fork()`` child is a copy of its parent at that instant,
+context included, as OpenTelemetry's own context survives a fork: code that forks to do the
+trajectory's own work (a sandbox, a tool run) keeps its session. A multiprocessing worker (``Process``,
+``Pool``, ``ProcessPoolExecutor``) does other work than the code that started it: a pool whose workers
+fork inside trajectory A would send A's session for all its later work, submitted from trajectory B
+or from none. Its workers therefore start outside any trajectory, whatever the start method (spawn and
+forkserver start from a fresh context anyway), and continue one only where they are handed it
+(``bind``, or ``session_carrier`` and ``resume``).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any, ParamSpec, TypeVar, cast
 
+import wrapt
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
@@ -110,8 +115,9 @@ def resume(carrier: Mapping[str, Any] | None) -> Iterator[str | None]:
         otel_context.detach(token)
 
 
-def _leave_trajectory_in_child() -> None:
-    """``os.register_at_fork`` hook: the forked child starts outside the parent's trajectory."""
+def _leave_trajectory_in_worker(_: object = None) -> None:
+    """multiprocessing's after-fork hook, run in each forked worker before its work: the worker
+    starts outside the trajectory the pool was started from."""
     try:
         _hop.forget()
         ctx = otel_context.get_current()
@@ -123,8 +129,14 @@ def _leave_trajectory_in_child() -> None:
         otel_context.attach(trace.set_span_in_context(trace.INVALID_SPAN, ctx))  # never detached: the
         # child's whole life runs below this point
     except Exception as exc:
-        _faults.report("leaving the parent's trajectory in a forked child", exc)
+        _faults.report("leaving the parent's trajectory in a multiprocessing worker", exc)
 
 
-if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
-    os.register_at_fork(after_in_child=_leave_trajectory_in_child)
+def _multiprocessing_imported(util: ModuleType) -> None:
+    # Held weakly by multiprocessing, keyed on the function itself, which lives as long as this module.
+    util.register_after_fork(_leave_trajectory_in_worker, _leave_trajectory_in_worker)
+
+
+# Registered when multiprocessing.util is first imported (at once if it is): a process that starts no
+# workers never imports it for us.
+wrapt.register_post_import_hook(_multiprocessing_imported, "multiprocessing.util")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context, get_current
 
-from otel_session import _faults, _settings, _w3c
+from otel_session import _faults, _metrics, _settings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, session_ids
 from otel_session._hosts import NOWHERE, Route, canonical_origin
 from otel_session._policy import Edit, Offer, names_for, plan
@@ -90,7 +90,10 @@ class Plan:
         return Plan(self._offered, self.route, self.destination, edits)
 
     def delivered(self) -> None:
-        """Record, where sessions are ended, that this hop took the session to its router."""
+        """Record, where sessions are ended, that this hop took the session to its router (and count
+        a request to a router host)."""
+        if self.route.profile is not None:
+            _metrics.sent(self.route.profile, self.destination, self._offered.offer.session)
         note = self._note
         if note is not None:
             note[0].add(note[1])
@@ -191,6 +194,16 @@ def entered(ctx: Context, session: str, parent: str | None, span: trace.Span) ->
 
 # No request to a router host has been seen outside any trajectory yet (``outside``).
 untold = True
+# The named trajectory boundaries applied in this process, kept by instrumentation/boundaries: the
+# line ``outside`` logs names what is in force here, never a preset whose framework never arrived.
+boundaries_in_force: set[str] = set()
+
+
+def _boundaries_said() -> str:
+    named = sorted(boundaries_in_force)
+    if not named:
+        return "no named boundary is in force in this process"
+    return f"the boundaries in force in this process ({', '.join(named)}) did not enclose it"
 
 
 def outside(scheme: str, host: str | None, port: int | None) -> None:
@@ -205,12 +218,13 @@ def outside(scheme: str, host: str | None, port: int | None) -> None:
     with contextlib.suppress(Exception):
         _faults.warn(
             "otel-session: a request to %s router %s was sent outside any trajectory, so it carries no "
-            "session; give its rollout a boundary: otel_session.trajectory(), "
-            "OTEL_SESSION_TRAJECTORY_FUNCTIONS=module:function, or a framework instrumentor (NeMo-RL's is "
-            "built in); if it was sent from a thread or pool inside a trajectory, hand the work over with "
-            "otel_session.bind(). Logged once per process.",
+            "session (%s); give its rollout a boundary: otel_session.trajectory(), "
+            "OTEL_SESSION_TRAJECTORY_FUNCTIONS=module:function, or a framework instrumentor (NeMo-RL's "
+            "applies when nemo_rl's rollout modules are imported); if it was sent from a thread or pool "
+            "inside a trajectory, hand the work over with otel_session.bind(). Logged once per process.",
             route.profile.name,
             f"{host}:{port}" if port is not None else host,
+            _boundaries_said(),
         )
 
 

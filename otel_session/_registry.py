@@ -50,15 +50,15 @@ def disabled() -> set[str]:
 
 
 def wanted(settings: Settings) -> list[str]:
-    """The instrumentors ``settings`` ask for that are installed and not disabled."""
+    """The instrumentors ``settings`` ask for that are not disabled, whether or not their library can
+    be found yet: each patches its library when it is imported, and a library put on ``sys.path``
+    after start (a driver's ``sys.path.insert``, Ray's ``working_dir``) is imported after start too."""
     off = disabled()
     if "*" in off:
         return []
     switch = {"client": True, "server": settings.servers, "boundary": True}
     return [
-        name
-        for name, kind in instrumentors().items()
-        if name not in off and switch.get(kind.kind, False) and kind.installed()
+        name for name, kind in instrumentors().items() if name not in off and switch.get(kind.kind, False)
     ]
 
 

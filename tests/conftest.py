@@ -20,7 +20,8 @@ pytest_plugins = ["tests.dynamo_fixtures"]
 # functions, in-process loopback servers) is the fast tier: ``bash scripts/test --fast``.
 SLOW_MODULES = frozenset(
     {
-        "test_bounds_slow_peers", "test_cli", "test_dynamo_affinity", "test_dynamo_stack", "test_gym_e2e",
+        "test_bounds_slow_peers", "test_cli", "test_dynamo_affinity", "test_dynamo_stack",
+        "test_evidence_dynamo", "test_gym_e2e",
         "test_nemo_gym", "test_nemo_rl", "test_nemo_rl_boundaries", "test_overhead_benchmark", "test_phoenix",
         "test_readme", "test_routers", "test_session_end", "test_thunderagent", "test_tools_newcomer",
         "test_verifiers", "test_zerocode",

@@ -72,6 +72,7 @@ class Forwarded:
     body: bytes
     status: int = 0
     worker: int | None = None
+    answer: bytes = b""
 
     def header(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), None)
@@ -94,11 +95,14 @@ class DynamoProxy:
     """A forwarder to the real Dynamo frontend that records each request in ``requests``. Headers and
     body are never changed, and streamed answers are passed on whole, so Dynamo routes exactly what the
     driver sent. ``fail_once`` picks one request that the proxy answers 503 itself instead of
-    forwarding it (to drive a client's retry); it is dropped after its first match."""
+    forwarding it (to drive a client's retry); it is dropped after its first match. ``balance``: more
+    upstreams, taken in turn with ``upstream`` request by request (a round-robin balancer in front of
+    several frontends)."""
 
     upstream: str
     fail_once: Callable[[Forwarded], bool] | None = None
     requests: list[Forwarded] = field(default_factory=list)
+    balance: Sequence[str] = ()
     _server: AiohttpServer | None = None
 
     def _app(self) -> web.Application:
@@ -118,10 +122,13 @@ class DynamoProxy:
                 self.fail_once = None
                 seen.status = 503
                 return web.json_response({"error": {"message": "busy (harness)"}}, status=503)
+            upstreams = [self.upstream, *self.balance]
+            target = upstreams[(len(self.requests) - 1) % len(upstreams)]
             async with request.app[client_key].request(
-                request.method, f"{self.upstream}{request.path_qs}", headers=headers, data=body
+                request.method, f"{target}{request.path_qs}", headers=headers, data=body
             ) as upstream:
                 payload = await upstream.read()
+                seen.answer = payload
                 seen.status = upstream.status
                 content_type = upstream.headers.get("Content-Type", "application/json")
             seen.worker = _worker_of(payload)
@@ -167,3 +174,66 @@ def run_zero_code(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+_reader: Any = None
+_prometheus: str | None = None
+
+
+def metrics_reader() -> Any:
+    """The real OpenTelemetry SDK reader this test process counts into: a ``MeterProvider`` with an
+    ``InMemoryMetricReader`` (and a ``PrometheusMetricReader``, served by ``prometheus_url``) set as
+    the global one the first time (the global can be set only once)."""
+    global _reader
+    if _reader is None:
+        from opentelemetry import metrics
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        _reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[_reader, PrometheusMetricReader()]))
+    return _reader
+
+
+def prometheus_url() -> str:
+    """The same metrics as a Prometheus endpoint on loopback (prometheus_client's own server), as an
+    application exporting them would serve them."""
+    global _prometheus
+    metrics_reader()
+    if _prometheus is None:
+        from prometheus_client import start_http_server
+
+        from tests.loopback import bind_loopback
+
+        sock = bind_loopback()
+        port = sock.getsockname()[1]
+        sock.close()
+        start_http_server(port, addr="127.0.0.1")
+        _prometheus = f"http://127.0.0.1:{port}/metrics"
+    return _prometheus
+
+
+def metric_points() -> dict[tuple[str, frozenset[tuple[str, Any]]], int]:
+    """Every sum the reader holds now: (metric name, its attributes) -> cumulative value."""
+    points: dict[tuple[str, frozenset[tuple[str, Any]]], int] = {}
+    data = metrics_reader().get_metrics_data()
+    for resource in data.resource_metrics if data is not None else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    points[(metric.name, frozenset(point.attributes.items()))] = point.value
+    return points
+
+
+def metric_delta(
+    before: Mapping[tuple[str, frozenset[tuple[str, Any]]], int], name: str, **attributes: Any
+) -> int:
+    """How much metric ``name`` grew since ``before``, over every point holding ``attributes``
+    (dots in attribute names written as ``__``)."""
+    wanted = {(key.replace("__", "."), value) for key, value in attributes.items()}
+    return sum(
+        value - before.get(key, 0)
+        for key, value in metric_points().items()
+        if key[0] == name and wanted <= key[1]
+    )

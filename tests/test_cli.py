@@ -327,6 +327,11 @@ def test_the_demo_runs_both_arms_and_ends_on_one_verdict_line() -> None:
         proc.stdout.strip().splitlines()[-1],
     )
     assert proc.stdout.strip().splitlines()[-1].startswith("verdict: ")
+    # the run-time evidence beside the verdict: 9 sessions x 2 later turns, none moved, no warning
+    assert re.search(
+        r"dynamo 127\.0\.0\.1:\d+: 0 of 18 later turns missed the cache, 0 of 18 moved", proc.stdout
+    )
+    assert "warnings: none" in proc.stdout and "not holding" not in proc.stderr
 
 
 def _summary(mean_ttft_ms: float) -> Summary:
@@ -381,6 +386,8 @@ def test_against_a_deployment_that_pins_json_has_both_arms(dynamo_stack: LocalDy
     ids = {t["session_id"] for t in on["trajectories"]}
     assert len(ids) == 3
     assert doc["verdict"]["line"].startswith("pinned 3/3 vs ")
+    [seen] = doc["evidence"].values()
+    assert seen["worker_switches"] == 0 and seen["worker_pairs"] == 3 and seen["warnings"] == []
 
 
 def test_against_a_deployment_that_does_not_pin_it_exits_1_and_points_at_doctor(
@@ -393,6 +400,8 @@ def test_against_a_deployment_that_does_not_pin_it_exits_1_and_points_at_doctor(
     assert f"otel-session doctor --base-url {url}" in proc.stderr
     pinned, total, _, _ = map(int, _verdict(proc.stdout).groups())
     assert pinned < total
+    assert "warnings: affinity" in proc.stdout  # the evidence printed beside the verdict
+    assert proc.stderr.count("session affinity is not holding") == 1
 
 
 def test_a_model_the_local_stack_does_not_serve_is_one_line_before_it_starts() -> None:

@@ -29,8 +29,13 @@ CORE = (
     "otel_session._trajectory",
     "otel_session._carry",
     "otel_session._config",
+    "otel_session._siblings",
 )
-CORE_MAX_LINES = 2_500
+# 2,500 until siblings (one parent per group of K) and calls that fail where the original does joined it.
+CORE_MAX_LINES = 2_700
+# Core modules beside the request path (counting, and judging what clients received): held to the
+# same import rule, not counted in the core's size.
+BESIDE_CORE = ("otel_session._metrics", "otel_session._evidence", "otel_session._verdicts")
 LONG = 300
 
 
@@ -76,7 +81,7 @@ def _edges() -> dict[str, set[str]]:
 
 
 def test_the_modules_the_core_names_exist() -> None:
-    assert set(CORE) <= set(MODULES)
+    assert set(CORE + BESIDE_CORE) <= set(MODULES)
 
 
 def test_no_import_cycle() -> None:
@@ -111,7 +116,7 @@ def _reach(start: str, edges: dict[str, set[str]]) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("module", CORE)
+@pytest.mark.parametrize("module", CORE + BESIDE_CORE)
 def test_the_core_reaches_neither_instrumentation_nor_the_demo(module: str) -> None:
     reached = _reach(module, _edges())
     outside = sorted(

@@ -34,6 +34,7 @@ from tests.support import DynamoProxy, Forwarded, run_zero_code
 
 STANDIN = Path(__file__).resolve().parent / "standin"
 DRIVER = STANDIN / "rollout_driver.py"
+LATE_DRIVER = Path(__file__).resolve().parent / "late_path_driver.py"
 INSTRUMENT = os.path.join(os.path.dirname(sys.executable), "opentelemetry-instrument")
 NOTICE = "was sent outside any trajectory"
 OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
@@ -76,6 +77,10 @@ class Request:
     def session(self) -> str | None:
         return self.seen.header("x-dynamo-session-id")
 
+    @property
+    def parent(self) -> str | None:
+        return self.seen.header("x-dynamo-parent-session-id")
+
 
 @dataclass
 class Run:
@@ -92,19 +97,21 @@ def run_driver(
     *,
     fail_once: Callable[[Request], bool] | None = None,
     tool_failures: int = 0,
+    late: bool = False,
     **env: str,
 ) -> Run:
     """``opentelemetry-instrument python rollout_driver.py MODE ...``, environment variables only.
     ``fail_once``: the proxy answers the first request it picks 503 itself. ``tool_failures``: the tool
-    server answers that many first requests 500."""
+    server answers that many first requests 500. ``late``: NeMo-RL is not on ``PYTHONPATH``; the
+    script puts it on ``sys.path`` itself after start (tests/late_path_driver.py)."""
     chosen = None if fail_once is None else (lambda seen: fail_once(Request.of(seen)))
     with DynamoProxy(f"http://{stack.host}", chosen) as proxy, Recorder() as tools:
         tools.fail_next.extend([500] * tool_failures)
         report, stderr = run_zero_code(
-            [INSTRUMENT, sys.executable, str(DRIVER), mode, f"http://{proxy.authority}/v1", stack.model_name,
-             f"{tools.url}/tool/step"],
+            [INSTRUMENT, sys.executable, str(LATE_DRIVER if late else DRIVER), mode,
+             f"http://{proxy.authority}/v1", stack.model_name, f"{tools.url}/tool/step"],
             dynamo=proxy.authority,
-            env={"PYTHONPATH": str(STANDIN)} | env,
+            env=({} if late else {"PYTHONPATH": str(STANDIN)}) | env,
             timeout=120,
         )  # fmt: skip
     requests = [Request.of(seen) for seen in proxy.requests]  # each prompt names its run and prompt
@@ -135,6 +142,21 @@ def assert_one_attempt(session: str | None, requests: list[Request], *, retried:
     assert len(workers) == 1 and None not in workers, (session, workers)
 
 
+def assert_siblings_grouped(requests: list[Request]) -> None:
+    """The default ``groups:2`` with 2 siblings a prompt: the siblings of one prompt in one run name
+    one parent, read by the preset from their identical initial message logs; no other prompt's."""
+    parents: dict[tuple[int, int], set[str | None]] = defaultdict(set)
+    sessions: dict[tuple[int, int], set[str | None]] = defaultdict(set)
+    for request in requests:
+        parents[(request.run, request.prompt)].add(request.parent)
+        sessions[(request.run, request.prompt)].add(request.session)
+    for key, found in parents.items():
+        assert len(found) == 1 and None not in found, (key, found)
+        assert len(sessions[key]) == 2, (key, sessions[key])
+    every = [next(iter(found)) for found in parents.values()]
+    assert len(set(every)) == len(every)
+
+
 def assert_nothing_reached_the_tools(tools: list[Any], expected: int) -> None:
     assert len(tools) == expected
     for seen in tools:
@@ -159,8 +181,12 @@ def test_floor_native_rollout_twice_one_session_per_sample_attempt(dynamo_stack:
         sessions_of_run.append(set(by_session))
     assert not sessions_of_run[0] & sessions_of_run[1]  # none shared between runs
     assert sum(r.status == 503 for r in run.requests) == 1
-    for request in run.requests:  # the session and nothing else of ours reaches Dynamo
-        assert {k.lower() for k, _ in request.headers} & OURS == {"x-dynamo-session-id"}, request.headers
+    for request in run.requests:  # the session (and its siblings' parent) and nothing else of ours
+        assert {k.lower() for k, _ in request.headers} & OURS == {
+            "x-dynamo-session-id",
+            "x-dynamo-parent-session-id",
+        }, request.headers
+    assert_siblings_grouped(run.requests)
     assert_nothing_reached_the_tools(run.tools, 2 * (2 * 3 + 2 * 4))
     assert NOTICE not in run.stderr  # every request was inside a boundary
 
@@ -210,3 +236,17 @@ def test_disabled_nemo_rl_instrumentor_sends_no_session_and_says_so_once(dynamo_
     assert run.stderr.count(NOTICE) == 1, run.stderr[-3000:]
     (line,) = [line for line in run.stderr.splitlines() if NOTICE in line]
     assert run.dynamo in line and "OTEL_SESSION_TRAJECTORY_FUNCTIONS" in line, line
+
+
+def test_nemo_rl_put_on_the_path_by_the_driver_after_start_is_instrumented(dynamo_stack: LocalDynamo) -> None:
+    """Issue 28 item 2: NeMo-RL cannot be found when the distro configures otel-session; the driver
+    adds it to ``sys.path`` itself. Its preset applies when its rollout module is imported: the Floor's
+    run, one session per sample attempt, every request inside a boundary."""
+    run = run_driver("native", dynamo_stack, late=True)
+    assert len(run.requests) == 2 * (2 * 3 + 2 * 4)
+    for number in range(2):
+        by_session = attempts([r for r in run.requests if r.run == number])
+        assert len(by_session) == 4 and None not in by_session, by_session.keys()
+        for session, requests in by_session.items():
+            assert_one_attempt(session, requests)
+    assert NOTICE not in run.stderr

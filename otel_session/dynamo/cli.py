@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from urllib.parse import urlsplit
 
 import otel_session
+from otel_session import _evidence
 from otel_session.dynamo import _checks
 from otel_session.dynamo._library_log import each_warning_once
 
@@ -254,6 +255,7 @@ def render(
     without: Sequence[TrajectoryResult],
     out: TextIO,
     names: dict[int, str] | None = None,
+    evidence: dict[str, dict[str, Any]] | None = None,
 ) -> Verdict:
     """Both runs side by side (one row per trajectory, then the summaries), then the verdict line."""
     from otel_session.dynamo.workload import summarize
@@ -293,9 +295,27 @@ def render(
     out.write(f"\n{'':34} {'with sessions':>16} {'without':>16}\n")
     for label, left, right in rows:
         out.write(f"{label:34} {left:>16} {right:>16}\n")
+    if evidence is not None:
+        out.write("\n")
+        render_evidence(evidence, out)
     verdict = Verdict.of(on, off)
     out.write(f"\nverdict: {verdict.line}\n")
     return verdict
+
+
+def render_evidence(summaries: dict[str, dict[str, Any]], out: TextIO) -> None:
+    """What otel-session itself saw in the responses of the run with sessions (the run-time evidence
+    an application's metrics carry), one line per router, beside the verdict."""
+    out.write("run-time evidence (from the responses the client parsed, no extra request):\n")
+    if not summaries:
+        out.write("  none: no response with usage or a worker id came back in a trajectory\n")
+    for router, seen in sorted(summaries.items()):
+        warned = ", ".join(seen["warnings"]) or "none"
+        out.write(
+            f"  {router}: {seen['missed_turns']} of {seen['judged_turns']} later turns missed the cache, "
+            f"{seen['worker_switches']} of {seen['worker_pairs']} moved worker, {seen['refused_529']} "
+            f"answered 529; warnings: {warned}\n"
+        )
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -339,6 +359,7 @@ async def _both_arms(
 
     progress.start()
     otel_session.configure(dynamo_hosts=_dynamo_hosts(base_urls, announce=True))
+    _evidence.forget()  # the evidence printed beside the verdict is this arm's
     try:
         on = await run_batch(base_urls, model, workload, concurrency=concurrency, on_turn=progress.step)
     finally:
@@ -418,6 +439,7 @@ def _run(args: argparse.Namespace) -> int:
             "base_urls": list(base_urls),
             "model": model,
             "verdict": {"line": verdict.line, "pinned": verdict.pinned},
+            "evidence": _evidence.summaries(),
             "with_sessions": {"summary": asdict(summarize(on)), "trajectories": [r.to_dict() for r in on]},
             "without_sessions": {
                 "summary": asdict(summarize(off)),
@@ -427,7 +449,7 @@ def _run(args: argparse.Namespace) -> int:
         json.dump(document, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        verdict = render(on, off, sys.stdout, names)
+        verdict = render(on, off, sys.stdout, names, _evidence.summaries())
     if verdict.pinned:
         return 0
     if args.base_url:
@@ -438,12 +460,39 @@ def _run(args: argparse.Namespace) -> int:
     return 1
 
 
+def _watch_flags(doctor: argparse.ArgumentParser) -> None:
+    """``doctor --watch``: a running deployment's own figures, no probes (``watch.py``)."""
+    doctor.add_argument(
+        "--watch",
+        metavar="METRICS_URL",
+        help="read a Prometheus endpoint the deployment serves (the Dynamo frontend's /metrics, or the "
+        "application's otel_session_* metrics) every --interval seconds; no probe requests",
+    )
+    doctor.add_argument("--interval", type=_whole(1, 3600), default=10, help="seconds between reads (10)")
+    doctor.add_argument("--samples", type=_whole(1, 100_000), help="stop after this many windows")
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from otel_session.dynamo.watch import watch
+
+    try:
+        windows = watch(args.watch, sys.stdout, interval=args.interval, samples=args.samples)
+    except (OSError, ValueError) as exc:
+        raise RunError(f"cannot read {args.watch} ({exc}); give the metrics endpoint's full URL") from None
+    return 1 if any(w.verdict().startswith("BROKEN") for w in windows) else 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
+    if not args.base_url:
+        raise UsageError("doctor: --base-url is required (or --watch METRICS_URL)")
     _check_environment()
     _check_clients()
     from otel_session.dynamo.doctor import diagnose
 
-    report = diagnose(args.base_url, model=args.model, requests=args.requests)
+    batch = (args.prompts, args.siblings) if args.prompts and args.siblings else None
+    report = diagnose(args.base_url, model=args.model, requests=args.requests, batch=batch)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -508,14 +557,16 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--base-url",
         type=_flag(_checks.base_url),
-        required=True,
-        help="the Dynamo frontend, e.g. http://dynamo:8000/v1",
+        help="the Dynamo frontend, e.g. http://dynamo:8000/v1 (required unless --watch)",
     )
+    _watch_flags(doctor)
     doctor.add_argument("--model", type=_model, help="model name (default: the first one the frontend lists)")
     doctor.add_argument(
         "--requests", type=_whole(2, 1000), default=6, help="requests per probe session (default 6)"
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    doctor.add_argument("--prompts", type=_whole(1, 1_000_000), help="GRPO batch: prompts per step")
+    doctor.add_argument("--siblings", type=_whole(1, 10_000), help="GRPO batch: samples per prompt")
     doctor.set_defaults(func=_doctor)
     install = sub.add_parser(
         "install-dynamo", help="install Dynamo 1.6.1 for the local stack (pip, --no-deps)"

@@ -5,25 +5,97 @@ Each is an OpenTelemetry ``BaseInstrumentor`` (entry point group ``opentelemetry
 but ``instrument()`` does not import its library: it patches the library now if the process has
 imported it, else the moment it does. A process that never touches aiohttp never pays for importing it.
 Patches are wrapt wrappers put innermost, so an upstream instrumentation's ``unwrap`` never takes ours.
+
+A patched method must be indistinguishable from the original to code that calls or inspects it
+(servers probe an app by calling it with no argument; frameworks ask ``iscoroutinefunction``): every
+wrapper is synchronous and calls the original at once, so wrong arguments raise where they did, and
+``Patched`` pickles and copies as the method it stands for (tests/test_transparent.py walks
+``patched()`` of every instrumentor and compares each target before and after).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 import threading
 from collections.abc import Callable, Collection
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsIndex
 
 import wrapt
+from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 from otel_session import _config, _faults, _settings
+from otel_session.instrumentation._reloads import when_reloaded
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 # Upstream's unwrap puts back ``getattr(cls, name).__wrapped__``: a bound wrapper, when ours was below.
 _WRAPPERS = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
+_bind = wrapt.FunctionWrapper.__get__  # wrapt's own binding, called straight from ``Patched.__get__``
+
+
+class BoundPatched(wrapt.BoundFunctionWrapper[..., Any]):
+    """A patched method reached through its class or an instance: pickled as Python pickles a
+    method (looked up again where it is loaded), copied as itself, deep-copied with its instance."""
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        parent = self._self_parent
+        if self._self_binding == "classmethod":  # bound to the class it was reached through, a subclass too
+            holder = getattr(self.__wrapped__, "__self__", None)
+        else:
+            instance = self._self_instance if self._self_binding != "staticmethod" else None
+            holder = instance if instance is not None else getattr(parent, "_self_owner_of", None)
+        if holder is None:
+            return self.__wrapped__.__reduce_ex__(protocol)
+        return getattr, (holder, parent._self_attribute)
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if self._self_instance is None:
+            return self
+        return getattr(copy.deepcopy(self._self_instance, memo), self._self_parent._self_attribute)
+
+
+class Patched(wrapt.FunctionWrapper[..., Any]):
+    """``owner.attribute`` wrapped by ``wrapper``: to pickle, copy and ``inspect`` it is the original,
+    which is what code holding a reference to a library's method expects it to stay."""
+
+    __bound_function_wrapper__ = BoundPatched
+
+    def __init__(self, wrapped: Any, wrapper: Wrapper, owner: Any, attribute: str) -> None:
+        super().__init__(wrapped, wrapper)
+        self._self_owner_of = owner
+        self._self_attribute = attribute
+        self._self_through: Any = None
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """Through an instance, wrapt's binding; through a class, one object every time, as
+        ``Class.method`` (a function or staticmethod) is for the original: cloudpickle, how Ray
+        ships functions, sends one by name only when its name looks up that very object, and else
+        copies its code, which runs unpatched there and fails on a global it cannot pickle (a lock)."""
+        if instance is not None or owner is None or self._self_binding == "classmethod":
+            return _bind(self, instance, owner)  # a classmethod is bound anew each time, as unpatched
+        through = self._self_through
+        if through is None:
+            holder = self._self_owner_of if isinstance(self._self_owner_of, type) else owner
+            through = self._self_through = _bind(self, None, holder)
+        return through
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        owner = self._self_owner_of
+        if isinstance(owner, type):
+            return getattr, (owner, self._self_attribute)
+        return self.__qualname__  # a module's function: by name, as pickle saves the original
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return self
 
 
 class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
@@ -65,9 +137,19 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             return False
 
     def instrument(self, **kwargs: Any) -> None:
-        """As upstream, but quiet when already instrumented (``configure()`` and a distro may both ask)."""
+        """As upstream, but quiet when already instrumented (``configure()`` and a distro may both ask),
+        and without upstream's check that the library is installed now: it is checked when the
+        library is imported (``_imported``), which may be later."""
         if not self.is_instrumented_by_opentelemetry:
-            super().instrument(**kwargs)
+            super().instrument(**{**kwargs, "skip_dep_check": True})
+
+    def _conflict(self) -> str | None:
+        """Why the imported library cannot be patched (an installed version outside ``requirement``),
+        or ``None``. A library imported from a source tree, with no installed metadata, is patched."""
+        conflict = get_dependency_conflicts(list(self.instrumentation_dependencies()))
+        if conflict is None or conflict.found is None:
+            return None
+        return f"{conflict.found} is installed, but otel-session needs {conflict.required}"
 
     def _instrument(self, **kwargs: Any) -> None:
         if _settings.current is None:
@@ -86,15 +168,20 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
                 # Runs at once if the library is imported already; the hook cannot be removed, so it
                 # checks ``active`` whenever it fires.
                 wrapt.register_post_import_hook(self._imported, self.library)
+                when_reloaded(self.library, self._imported)
                 return
         if module is not None:
             self._imported(module)
 
     def _imported(self, module: ModuleType) -> None:
         with self._lock:
-            if not self.active or self._installed:
+            if not self.active:
                 return
             try:
+                conflict = self._conflict()
+                if conflict is not None:
+                    _faults.warn("otel-session: %s is left unpatched: %s", self.library, conflict)
+                    return
                 for owner, name, wrapper in self.targets(module):
                     if not _holds(owner.__dict__[name], wrapper):
                         _wrap_innermost(owner, name, wrapper)
@@ -119,6 +206,11 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def configure(self, **kwargs: Any) -> None:
         """Read what this instrumentor needs of the configuration, at each ``instrument()``."""
+
+    def patched(self) -> list[tuple[Any, str]]:
+        """(owner, attribute) of everything this instrumentor has patched and not taken off."""
+        with self._lock:
+            return [(owner, name) for owner, name, _ in self._installed]
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
         """(class or module, attribute name, wrapt wrapper) for each callable to patch in ``module``."""
@@ -158,11 +250,11 @@ def _wrap_innermost(owner: Any, name: str, wrapper: Wrapper) -> None:
     """
     current = owner.__dict__[name]
     if not isinstance(current, wrapt.FunctionWrapper):
-        setattr(owner, name, wrapt.FunctionWrapper(current, wrapper))
+        setattr(owner, name, Patched(current, wrapper, owner, name))
         return
     while isinstance(current.__wrapped__, wrapt.FunctionWrapper):
         current = current.__wrapped__
-    current.__wrapped__ = wrapt.FunctionWrapper(current.__wrapped__, wrapper)
+    current.__wrapped__ = Patched(current.__wrapped__, wrapper, owner, name)
 
 
 def _unwrap(owner: Any, name: str, wrapper: Wrapper) -> None:

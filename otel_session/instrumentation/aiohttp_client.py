@@ -15,12 +15,13 @@ they do add, to every host: this hook then takes back what is recognisably ours 
 from __future__ import annotations
 
 import socket
+import weakref
 from types import ModuleType
 from typing import Any
 
 from opentelemetry import context as otel_context
 
-from otel_session import _carriers, _faults, _hop, _propagator
+from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
 from otel_session._context import HOP_KEY
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -29,6 +30,8 @@ from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor,
 # middleware's) copies the caller's, never a copy holding that send's session.
 _in_flight: dict[int, tuple[Any, Any]] = {}
 _NOTHING: dict[str, str] = {}
+# Responses of routers to hops of ours, not started yet: their status is read as they start.
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _folds_case(kind: type) -> bool:
@@ -73,56 +76,71 @@ def _over_unix_socket(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``ClientRequest.send``: the hop planned as it is called; sent as it is (no coroutine of ours)
     where there is nothing to add, take back or watch, as for the usual request outside a
-    trajectory or to a host that gets nothing; else through ``_hop_send``."""
-    if _INSTRUMENTOR.active and instance.method != "CONNECT":
+    trajectory or to a host that gets nothing; else through ``_hop_send``. The original is called at
+    once either way, so a call it refuses fails here, as it would unpatched."""
+    planned = _planned(instance, args, kwargs) if _INSTRUMENTOR.active else None
+    if planned is None:
+        return wrapped(*args, **kwargs)
+    return _hop_send(wrapped(*args, **kwargs), instance, *planned)
+
+
+_Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
+
+
+def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Planned | None:
+    """(the caller's headers, whether ``instance`` holds another send's copy of them, the plan, what
+    the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do."""
+    try:
+        if instance.method == "CONNECT":
+            return None
         callers, swap = instance.headers, False
         if _in_flight:
             entry = _in_flight.get(id(callers))
             if entry is not None and entry[0] is callers:
                 callers, swap = entry[1], True  # another send's copy: start from the caller's
         plan, held, watched = None, _NOTHING, False
-        try:
-            offered = _hop.current()
-            if offered is None and _hop.untold:  # until a request to a router outside any trajectory
-                _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
-            if offered is not None:
-                url = instance.url
-                if _over_unix_socket(args, kwargs):
-                    plan = offered.plan("unix", None, None)
-                else:
-                    plan = offered.plan(url.scheme, url.raw_host, url.port)
-                # aiohttp's own instrumentation injects before this, with no destination: under a stock
-                # propagator composed with ours, what it copied is taken back here, where the hop is known.
-                sole = _propagator.is_sole_global()
-                held = _held(callers, plan)
-                if held:
-                    plan = plan.given(held, sole)
-                watched = plan.watched or not sole
-        except Exception as exc:  # a bug of ours must not fail the request
-            _faults.report("adding session headers to a request", exc)
-            plan, watched = None, False
-        if swap or watched or (plan is not None and plan.edits):
-            return _hop_send(wrapped, instance, args, kwargs, callers, swap, plan, held, watched)
-    return wrapped(*args, **kwargs)
+        offered = _hop.current()
+        if offered is None and _hop.untold:  # until a request to a router outside any trajectory
+            _hop.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
+        if offered is None and _metrics.recording():
+            _metrics.outside(instance.url.scheme, instance.url.raw_host, instance.url.port)
+        if offered is not None:
+            url = instance.url
+            if _over_unix_socket(args, kwargs):
+                plan = offered.plan("unix", None, None)
+            else:
+                plan = offered.plan(url.scheme, url.raw_host, url.port)
+            # aiohttp's own instrumentation injects before this, with no destination: under a stock
+            # propagator composed with ours, what it copied is taken back here, where the hop is known.
+            sole = _propagator.is_sole_global()
+            held = _held(callers, plan)
+            if held:
+                plan = plan.given(held, sole)
+            watched = plan.watched or not sole
+    except Exception as exc:  # a bug of ours (or a request we do not understand) must not fail it
+        _faults.report("adding session headers to a request", exc)
+        return None
+    if swap or watched or (plan is not None and plan.edits):
+        return callers, swap, plan, held, watched
+    return None
 
 
 async def _hop_send(
-    wrapped: Any,
+    sending: Any,
     instance: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
     callers: Any,
     swap: bool,
     plan: _hop.Plan | None,
     held: dict[str, str],
     watched: bool,
 ) -> Any:
-    """One planned hop, made when the send starts, so a coroutine never awaited leaves the request
-    as it was. The send gets headers of its own, a copy of the caller's with ours; the caller's are
-    never edited, so any other send of the request (a retry, a middleware's, even one started while
-    this one is under way) starts from them. After the send ours are taken out of the copy too: it
-    stays on the request, with what aiohttp added while sending, and the response's
-    ``request_info`` shows it (an application may copy that into another request)."""
+    """One planned hop around ``sending`` (the original's coroutine, not started yet), made when the
+    send starts, so a coroutine never awaited leaves the request as it was. The send gets headers of
+    its own, a copy of the caller's with ours; the caller's are never edited, so any other send of
+    the request (a retry, a middleware's, even one started while this one is under way) starts from
+    them. After the send ours are taken out of the copy too: it stays on the request, with what
+    aiohttp added while sending, and the response's ``request_info`` shows it (an application may
+    copy that into another request)."""
     sent = None
     saved = None
     names: list[str] = []
@@ -147,9 +165,12 @@ async def _hop_send(
             instance.headers = callers
         if sent is not None:
             _in_flight.pop(id(sent), None)
-        return await wrapped(*args, **kwargs)
+        return await sending
     try:
-        return await wrapped(*args, **kwargs)
+        response = await sending
+        if plan is not None and plan.route.profile is not None:
+            _watched.add(response)  # its status is known once aiohttp has started it (``_start``)
+        return response
     finally:
         try:
             if token is not None:
@@ -160,6 +181,47 @@ async def _hop_send(
                     _restore(sent, saved, names)
         except Exception as exc:
             _faults.report("restoring request headers", exc)
+
+
+def _start(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientResponse.start``, which reads the status line: for a router's answer to a hop of ours,
+    awaited in a coroutine of ours to see the status; any other response's coroutine, untouched."""
+    starting = wrapped(*args, **kwargs)
+    if not _watched or instance not in _watched:
+        return starting
+    return _started(starting, instance)
+
+
+async def _started(starting: Any, response: Any) -> Any:
+    started = await starting
+    try:
+        _watched.discard(response)
+        status = response.status
+        if status >= 500 or status == 429:
+            url = response.url
+            _evidence.answered_status(status, url.scheme, url.raw_host, url.port)
+    except Exception as exc:  # evidence lost, never the response
+        _faults.report("reading a response's status", exc)
+    return started
+
+
+def _json(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientResponse.json``, which the application calls to read a body it asked for: inside a
+    trajectory, the JSON it returns is shown to ``_evidence`` (usage, Dynamo's worker) after the
+    application's own read, from a coroutine of ours; anywhere else the original's, untouched."""
+    reading = wrapped(*args, **kwargs)
+    if not _INSTRUMENTOR.active or _hop.current() is None:
+        return reading
+    return _read_json(reading, instance.url)
+
+
+async def _read_json(reading: Any, url: Any) -> Any:
+    data = await reading
+    try:
+        _evidence.parsed(data, url.scheme, url.raw_host, url.port)
+    except Exception as exc:  # evidence lost, never the body
+        _faults.report("reading the usage of an aiohttp response", exc)
+    return data
 
 
 def _edit(headers: Any, edits: list[tuple[str, str | None]], held: dict[str, str]) -> None:
@@ -202,7 +264,11 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
     upstream = ("opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor")
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
-        return [(module.ClientRequest, "send", _send)]
+        return [
+            (module.ClientRequest, "send", _send),
+            (module.ClientResponse, "start", _start),
+            (module.ClientResponse, "json", _json),
+        ]
 
 
 _INSTRUMENTOR = AioHttpSessionInstrumentor()

@@ -26,7 +26,7 @@ import operator
 from types import ModuleType
 from typing import Any
 
-from otel_session import _carriers, _faults, _hop, _propagator
+from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
 from otel_session._policy import Edit
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -197,6 +197,8 @@ def _at_transport(transport: Any, request: Any) -> Any:
         if offered is None:
             if _hop.untold:  # until a request to a router outside any trajectory has been told of
                 _hop.outside(*_destination(request.url))
+            if _metrics.recording():
+                _metrics.outside(*_destination(request.url))
             return request  # nothing to add from this context
         destination = _where(transport, request)
         plan, held = _planned(offered, request.headers, destination)
@@ -253,10 +255,11 @@ def _replan_at(request: Any, entry: tuple[Any, _hop.Destination, Any], destinati
     return request
 
 
-def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
-    """A hop through a transport that may not be httpx's own: (our copy to send, its in-flight key);
-    ``None``: send what it was handed (nothing of ours to add, or a copy a transport wrapping this
-    one made, planned again here if that one sent it elsewhere)."""
+def _begin_elsewhere(request: Any) -> tuple[Any, tuple[Any, _hop.Destination, Any]] | None:
+    """A hop through a transport that may not be httpx's own: (our copy to send, its in-flight entry,
+    registered by the caller while it is sent); ``None``: send what it was handed (nothing of ours to
+    add, or a copy a transport wrapping this one made, planned again here if that one sent it
+    elsewhere)."""
     try:
         if _in_flight:
             entry = _registered(request)
@@ -272,9 +275,7 @@ def _begin_elsewhere(request: Any) -> tuple[Any, int] | None:
             return None  # the caller's own object, as it is: any transport it reaches plans it afresh
         plan.delivered()
         sent = _copy_request(request, _copy_headers(request.headers, plan.edits, None if held else plan.wire))
-        key = id(sent)
-        _in_flight[key] = (sent, destination, request.headers)
-        return sent, key
+        return sent, (sent, destination, request.headers)
     except Exception as exc:  # a bug of ours must not fail the request
         _faults.report("adding session headers to a request", exc)
         return None
@@ -295,21 +296,51 @@ def _with_request(
 
 
 def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The hop planned, sent, and an error answer to a hop we added to noted (``_evidence``)."""
     if len(args) == 1 and not kwargs:  # as httpx calls it: no argument tuple to rebuild
-        return wrapped(_at_transport(instance, args[0]))
+        request = args[0]
+        sent = _at_transport(instance, request)
+        response = wrapped(sent)
+    else:
+        request = _request_of(args, kwargs)
+        sent = request
+        if request is not None:
+            sent = _at_transport(instance, request)
+            args, kwargs = _with_request(args, kwargs, sent)
+        response = wrapped(*args, **kwargs)
+    if sent is not request and response.status_code >= 429:  # an error answer to a hop of ours
+        _answered(response, sent)
+    return response
+
+
+def _handle_async_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The async twin of ``_handle_request``: planning needs no awaiting, so the original is called
+    here and its coroutine returned, as unpatched (a call it refuses fails at once); a hop we added
+    to is awaited in a coroutine of ours, to see its answer's status."""
     request = _request_of(args, kwargs)
     if request is not None:
-        args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
+        sent = _at_transport(instance, request)
+        args, kwargs = _with_request(args, kwargs, sent)
+        if sent is not request:
+            return _answer_of(wrapped(*args, **kwargs), sent)
     return wrapped(*args, **kwargs)
 
 
-async def _handle_async_request(
-    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    request = _request_of(args, kwargs)
-    if request is not None:
-        args, kwargs = _with_request(args, kwargs, _at_transport(instance, request))
-    return await wrapped(*args, **kwargs)
+def _answered(response: Any, sent: Any) -> None:
+    """An error answer (429, 5xx) to a hop that carried something of ours goes to ``_evidence``."""
+    try:
+        status = response.status_code
+        if status >= 500 or status == 429:
+            _evidence.answered_status(status, *_destination(sent.url))
+    except Exception as exc:  # evidence lost, never the response
+        _faults.report("reading a response's status", exc)
+
+
+async def _answer_of(sending: Any, sent: Any) -> Any:
+    """Await ``sending`` (the original's coroutine) and look at its answer's status."""
+    response = await sending
+    _answered(response, sent)
+    return response
 
 
 def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -317,25 +348,37 @@ def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
     begun = _begin_elsewhere(request) if request is not None else None
     if begun is None:
         return wrapped(*args, **kwargs)
+    sent, entry = begun
+    sent_args, sent_kwargs = _with_request(args, kwargs, sent)
+    _in_flight[id(sent)] = entry
     try:
-        sent_args, sent_kwargs = _with_request(args, kwargs, begun[0])
         return wrapped(*sent_args, **sent_kwargs)
     finally:
-        _in_flight.pop(begun[1], None)
+        _in_flight.pop(id(sent), None)
 
 
-async def _handle_elsewhere_async(
+def _handle_elsewhere_async(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
+    """The original called at once with our copy; the copy is in flight while its coroutine runs."""
     request = _request_of(args, kwargs)
     begun = _begin_elsewhere(request) if request is not None else None
     if begun is None:
-        return await wrapped(*args, **kwargs)
+        return wrapped(*args, **kwargs)
+    sent, entry = begun
+    sent_args, sent_kwargs = _with_request(args, kwargs, sent)
+    return _in_flight_while(wrapped(*sent_args, **sent_kwargs), entry)
+
+
+async def _in_flight_while(sending: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
+    """Await ``sending`` with ``entry`` registered in flight: from its start, so a coroutine never
+    awaited leaves nothing behind."""
+    key = id(entry[0])
+    _in_flight[key] = entry
     try:
-        sent_args, sent_kwargs = _with_request(args, kwargs, begun[0])
-        return await wrapped(*sent_args, **sent_kwargs)
+        return await sending
     finally:
-        _in_flight.pop(begun[1], None)
+        _in_flight.pop(key, None)
 
 
 class HTTPXSessionInstrumentor(SessionInstrumentor):

@@ -99,15 +99,18 @@ class StarletteSessionInstrumentor(SessionInstrumentor):
         return [*_builders(_subclasses(module.Starlette)), (module.Starlette, "__call__", _called)]
 
 
-async def _called(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An app's call: its class, if defined since instrumenting, gets its builder patched first."""
-    if instance.middleware_stack is None:
-        try:
+def _called(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An app's call: its class, if defined since instrumenting, gets its builder patched first.
+
+    Synchronous, returning the original's coroutine: uvicorn tells an app from an app factory by
+    calling it with no argument, which must raise ``TypeError`` here as it does unpatched."""
+    try:
+        if instance.middleware_stack is None:
             for owner, name, wrapper in _builders(list(type(instance).__mro__)):
                 _INSTRUMENTOR.patch(owner, name, wrapper)  # a no-op for those patched already
-        except Exception as exc:
-            _faults.report("instrumenting a Starlette app class", exc)
-    return await wrapped(*args, **kwargs)
+    except Exception as exc:
+        _faults.report("instrumenting a Starlette app class", exc)
+    return wrapped(*args, **kwargs)
 
 
 _INSTRUMENTOR = StarletteSessionInstrumentor()

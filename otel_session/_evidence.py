@@ -1,0 +1,187 @@
+"""Whether a router honours the session, judged from what the client already received.
+
+A client hook hands over what the application itself parsed (a response body's JSON, a streamed
+chunk) and the router's error answers; nothing here sends a request or reads a body. Per session and
+router it keeps the previous turn (its prompt size, its worker, when it ended), so each later turn
+says how much of the history the router served from cache and whether the worker changed. Counted
+in ``_metrics``; when the evidence says affinity is not holding, one line per router per process
+names the likely cause and the fix (``_verdicts``). Thresholds and their reasons: docs/tracing.md,
+"Metrics".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.context import get_current
+
+from otel_session import _faults, _metrics, _settings, _verdicts
+from otel_session._context import session_ids
+from otel_session._metrics import Router
+
+SESSIONS_KEPT = 16_384  # sessions remembered: more than any run keeps in flight
+MIN_HISTORY = 32  # a previous prompt shorter than this (two KV blocks) says too little to judge
+OVERLOADED = 529  # Dynamo's answer to a new session when its affinity table is full
+
+
+@dataclass
+class _Turn:
+    """A session's last turn: how many it had, where it went, how long its prompt was, when it ended."""
+
+    turns: int = 0
+    router: Router | None = None
+    prompt: int | None = None
+    worker: int | None = None
+    ended: float = 0.0
+
+
+_lock = threading.Lock()
+_turns: OrderedDict[str, _Turn] = OrderedDict()  # by session: one conversation, wherever each turn went
+_pending_worker: dict[str, int] = {}
+routers: dict[Router, _verdicts.RouterEvidence] = {}
+
+
+def worker_of(data: Mapping[str, Any]) -> int | None:
+    """Dynamo's decode (else prefill) worker id from a response's ``nvext.worker_id``, if it was asked for."""
+    nvext = data.get("nvext")
+    worker = nvext.get("worker_id") if isinstance(nvext, Mapping) else None
+    if not isinstance(worker, Mapping):
+        return None
+    value = worker.get("decode_worker_id", worker.get("prefill_worker_id"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def usage_of(data: Mapping[str, Any]) -> tuple[int, int | None] | None:
+    """(prompt tokens, cached prompt tokens or ``None``) from an OpenAI-style ``usage``, if any."""
+    usage = data.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= prompt:
+        cached = None
+    return prompt, cached
+
+
+def router_for(scheme: str, host: str | None, port: int | None) -> Router | None:
+    """The router a response from this origin came from, under the configuration in force."""
+    settings = _settings.current
+    if settings is None or not host:
+        return None
+    profile = settings.rules.route(scheme, host, port).profile
+    return None if profile is None else _metrics.router_of(profile, host, port)
+
+
+def parsed(data: object, scheme: str, host: str | None, port: int | None) -> None:
+    """The application parsed ``data`` from a response it received from this origin: a turn of the
+    current context's session if it carries usage (or, in a stream, a chunk naming the worker)."""
+    if not isinstance(data, Mapping) or ("usage" not in data and "nvext" not in data):
+        return
+    session = session_ids(get_current())[0]
+    if session is None:
+        return
+    router = router_for(scheme, host, port)
+    if router is None:
+        return
+    worker = worker_of(data)
+    usage = usage_of(data)
+    if usage is None:
+        if worker is not None:  # a stream's chunk: the turn is counted when its usage arrives
+            with _lock:
+                if len(_pending_worker) >= SESSIONS_KEPT:
+                    _pending_worker.clear()
+                _pending_worker[session] = worker
+        return
+    turn(session, router, usage[0], usage[1], worker)
+
+
+def turn(session: str, router: Router, prompt: int, cached: int | None, worker: int | None) -> None:
+    """One turn of ``session`` answered by ``router``: counted, compared with the previous one, judged."""
+    now = time.monotonic()
+    with _lock:
+        key = session
+        if worker is None:
+            worker = _pending_worker.pop(key, None)
+        else:
+            _pending_worker.pop(key, None)
+        last = _turns.pop(key, None) or _Turn()
+        if len(_turns) >= SESSIONS_KEPT:
+            _turns.popitem(last=False)
+        _turns[key] = _Turn(last.turns + 1, router, prompt, worker, now)
+        seen = routers.setdefault(router, _verdicts.RouterEvidence())
+        later = last.turns > 0
+        crossed = later and last.router is not None and last.router != router and last.router[0] == router[0]
+        seen.crossed += crossed
+        missed: bool | None = None
+        switched = None
+        history = last.prompt if later and cached is not None and last.prompt is not None else 0
+        if history >= MIN_HISTORY and prompt >= history:  # the history was sent again: cacheable
+            missed = cached is not None and cached + _verdicts.MISS_SLACK < history
+            seen.judged += 1
+            seen.missed += missed
+            seen.crossed_missed += missed and crossed
+        if later and worker is not None and last.worker is not None:
+            switched = worker != last.worker
+            seen.pairs += 1
+            seen.switched += switched
+        if (missed is not None or switched is not None) and len(seen.gaps) < _verdicts.GAPS_KEPT:
+            seen.gaps.append((now - last.ended, bool(missed or switched)))
+        message = _verdicts.verdict(router, seen)
+    attributes = {**_metrics.router_attributes(router), _metrics.TURN: "later" if later else "first"}
+    _metrics.turns.add(1, attributes)
+    if cached is not None:
+        _metrics.prompt_tokens.add(prompt, attributes)
+        _metrics.cached_tokens.add(cached, attributes)
+    if switched is not None:
+        _metrics.worker_checks.add(1, {**_metrics.router_attributes(router), _metrics.SWITCHED: switched})
+    if message is not None:
+        _faults.warn("%s", message)
+
+
+def answered(router: Router, session: str, status: int) -> None:
+    """``router`` answered a request of ``session`` with an error ``status`` (429 or 5xx)."""
+    _metrics.answered_error(router, session, status)
+    with _lock:
+        seen = routers.setdefault(router, _verdicts.RouterEvidence())
+        seen.errors += 1
+        if status != OVERLOADED:
+            return
+        seen.refused += 1
+        if "table-full" in seen.warned:
+            return
+        seen.warned.add("table-full")
+    _faults.warn("%s", _verdicts.table_full(router, session))
+
+
+def answered_status(status: int, scheme: str, host: str | None, port: int | None) -> None:
+    """A client hook saw ``status`` from this origin for a request sent from the current context:
+    an error answer to a request carrying a session is recorded (anything else costs nothing)."""
+    if status != 429 and status < 500:
+        return
+    session = session_ids(get_current())[0]
+    router = router_for(scheme, host, port) if session is not None else None
+    if session is not None and router is not None:
+        answered(router, session, status)
+
+
+def summaries() -> dict[str, dict[str, Any]]:
+    """Every router's evidence so far, keyed by ``profile host:port``."""
+    with _lock:
+        return {f"{r[0]} {_verdicts.origin(r)}": seen.summary() for r, seen in routers.items()}
+
+
+def forget() -> None:
+    """Drop everything seen (a new configuration, a test, a forked child)."""
+    with _lock:
+        _turns.clear()
+        _pending_worker.clear()
+        routers.clear()
+    _metrics.failed.clear()
