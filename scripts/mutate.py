@@ -176,7 +176,8 @@ def main() -> int:
     chosen = (
         sorted(random.Random(args.seed).sample(names, args.sample)) if 0 < args.sample < len(names) else names
     )
-    print(f"mutating {', '.join(MODULES)}: {len(chosen)} of {len(names)} mutants, tests {' '.join(TESTS)}")
+    tests = " ".join(test for test in TESTS if (ROOT / test).exists())
+    print(f"mutating {', '.join(MODULES)}: {len(chosen)} of {len(names)} mutants, tests {tests}", flush=True)
     took = run_mutmut(chosen, args.jobs, chosen is names)
 
     status = results()

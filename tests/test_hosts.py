@@ -175,6 +175,8 @@ def test_hosts_that_are_neither_a_name_nor_an_address(host: str) -> None:
     [
         ("[::1]:8000/v1", HostPattern("::1", 8000)),
         ("[::1]:8000/v1/[x]", HostPattern("::1", 8000)),
+        ("[::1]/v1", HostPattern("::1")),
+        ("dynamo:8000/v1/]", HostPattern("dynamo", 8000)),
         ("dynamo:8000/v1/chat", HostPattern("dynamo", 8000)),
         ("dynamo:8000/2024/v1", HostPattern("dynamo", 8000)),  # a number in the path of a name
         ("10.1.2.3:8000/v1", HostPattern("10.1.2.3", 8000)),
@@ -218,6 +220,7 @@ NOT_HTTP = "expected an http(s) URL with a host"
         ("user@dynamo", NO_PATH),
         ("a*b", NO_PATH),
         ("[fe80::1/64]:80", NO_PATH),
+        ("[::1/]", NO_PATH),
         ("/v1", "'' is not a valid host name or IP address"),
         ("10", "'10' is not a valid host name or IP address"),
         ("192.168", "'192.168' is not a valid host name or IP address"),

@@ -23,7 +23,9 @@ BATCH = 64
 
 def fresh_batch() -> list[str]:
     """One whole batch, from its first ID: ``new_session_id`` draws anew when the batch is empty."""
-    while _ids._batch[0] == os.getpid() and _ids._batch[1]:
+    for _ in range(BATCH):  # bounded: a broken batch must fail the test, not hang it
+        if _ids._batch[0] != os.getpid() or not _ids._batch[1]:
+            break
         new_session_id()
     return [new_session_id() for _ in range(BATCH)]
 
@@ -48,6 +50,35 @@ def test_the_ids_of_a_batch_share_no_bytes() -> None:
             assert seen.setdefault(window, index) == index, (window, seen[window], index)
 
 
+def test_every_random_bit_varies_and_copies_no_other() -> None:
+    """122 of the 128 bits are random: over 128 IDs each takes both values (all alike by chance:
+    2^-127), and the bits beside the version and variant bits are drawn, not copied from another
+    byte of this ID or the ones beside it in its batch (alike by chance in 63 pairs: 16^-63)."""
+    batches = [fresh_batch(), fresh_batch()]
+    # each batch's bytes in the order drawn (IDs are handed out from its end)
+    drawn = [b"".join(uuid.UUID(session).bytes for session in reversed(batch)) for batch in batches]
+    fixed = {6: 0xF0, 8: 0xC0}  # version 4 in byte 6's high nibble, variant 10 in byte 8's top bits
+    for index in range(16):
+        for bit in range(8):
+            if fixed.get(index, 0) & (1 << bit) == 0:
+                seen = {flat[16 * n + index] >> bit & 1 for flat in drawn for n in range(BATCH)}
+                assert seen == {0, 1}, (index, bit)
+    for flat in drawn:
+        for index, mask in ((6, 0x0F), (8, 0x3F)):
+            for offset in range(-16, 17):
+                pairs = [(16 * n + index, 16 * n + index + offset) for n in range(BATCH)]
+                pairs = [(a, b) for a, b in pairs if 0 <= b < len(flat)]
+                copied = all(flat[a] & mask == flat[b] & mask for a, b in pairs)
+                assert offset == 0 or not copied, (index, offset)
+
+
+def test_a_draw_is_exactly_as_many_ids_as_asked() -> None:
+    for count in (1, 5, 63, 64, 100):
+        drawn = _ids._draw(count)
+        assert len(drawn) == len(set(drawn)) == count
+        assert all(str(uuid.UUID(session)) == session for session in drawn)
+
+
 def test_consecutive_batches_differ() -> None:
     first, second = fresh_batch(), fresh_batch()
     assert len(set(first)) == BATCH and not set(first) & set(second)
@@ -65,8 +96,8 @@ def _child_ids(fork: object) -> list[str]:
             os._exit(0)
     os.close(write_end)
     try:
-        ready, _, _ = select.select([read_end], [], [], 30)
-        assert ready, "the forked child sent nothing within 30 s"
+        ready, _, _ = select.select([read_end], [], [], 10)
+        assert ready, "the forked child sent nothing within 10 s"
         data = os.read(read_end, 4096).decode()
     finally:
         os.close(read_end)
@@ -103,13 +134,16 @@ def test_a_child_forked_by_python_drops_the_parents_batch_at_once() -> None:
             os._exit(0)
     os.close(write_end)
     try:
-        ready, _, _ = select.select([read_end], [], [], 30)
-        assert ready
+        ready, _, _ = select.select([read_end], [], [], 10)
+        assert ready, "the forked child sent nothing within 10 s"
         held, child = os.read(read_end, 4096).decode().split()
     finally:
         os.close(read_end)
         os.waitpid(pid, 0)
     assert held == "0" and child not in parents
+    _ids._drop_batch()  # the hook itself, run here: nothing left to hand out, and the next ID is fresh
+    assert _ids._batch[1] == []
+    assert new_session_id() not in parents
 
 
 @pytest.mark.parametrize(
