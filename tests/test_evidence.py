@@ -354,3 +354,30 @@ def test_switches_after_long_pauses_only_name_the_ttl() -> None:
     assert _verdicts.pause_that_breaks([(0.1, True), *gaps]) is None  # went wrong without a pause too
     assert _verdicts.pause_that_breaks([(0.1, False)] * 6 + [(0.4, True)] * 6) is None  # no real pause
     assert seen.summary()["warnings"] == []
+
+
+def test_turns_alternating_between_two_addresses_name_the_frontends(caplog: pytest.LogCaptureFixture) -> None:
+    _evidence.forget()
+    caplog.set_level(logging.WARNING, "otel_session")
+    other: _metrics.Router = ("dynamo", "127.0.0.1", 8001)
+    for turn in range(5):  # each session's turns go to 8000 and 8001 in turn; nothing cached there
+        for index in range(8):  # 16 later turns judged at each address
+            where = ROUTER if (turn + index) % 2 else other
+            _evidence.turn(f"a{index}", where, 200 + 100 * turn, 0, None)
+    said = _said(caplog, ALARM)  # one line per address, each naming the cause
+    assert len(said) == 2 and all("alternated between addresses" in line for line in said)
+    assert ":8000:" in said[0] + said[1] and ":8001:" in said[0] + said[1]
+    assert sum(_evidence.routers[r].crossed for r in (ROUTER, other)) == 32
+
+
+def test_a_404_is_no_error_answer_and_each_router_is_told_of_its_own_full_table(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _evidence.forget()
+    caplog.set_level(logging.WARNING, "otel_session")
+    _evidence.answered_status(404, "http", "127.0.0.1", 8000)
+    assert _evidence.routers == {}
+    _evidence.answered(ROUTER, "s", 529)
+    _evidence.answered(ROUTER, "s", 529)
+    _evidence.answered(("dynamo", "127.0.0.1", 8001), "s", 529)
+    assert len(_said(caplog, TABLE_FULL)) == 2
