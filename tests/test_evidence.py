@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -381,3 +384,17 @@ def test_a_404_is_no_error_answer_and_each_router_is_told_of_its_own_full_table(
     _evidence.answered(ROUTER, "s", 529)
     _evidence.answered(("dynamo", "127.0.0.1", 8001), "s", 529)
     assert len(_said(caplog, TABLE_FULL)) == 2
+
+
+def test_requests_outside_trajectories_are_classified_only_once_a_meter_provider_is_set() -> None:
+    code = (
+        "from otel_session import _metrics\n"
+        "from opentelemetry import metrics\n"
+        "from opentelemetry.sdk.metrics import MeterProvider\n"
+        "assert not _metrics.recording()\n"
+        "metrics.set_meter_provider(MeterProvider())\n"
+        "assert _metrics.recording()\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
