@@ -154,8 +154,10 @@ def test_a_full_table_is_named_once_with_the_ttl_rule_and_retries_are_counted(
     assert router.sessions == [attempt.session_id] * 3
     said = _said(caplog, TABLE_FULL)
     assert len(said) == 1
-    assert router.authority in said[0] and '"Capacity"' in said[0] and "65,536" in said[0]
-    assert "--router-session-affinity-ttl-secs" in said[0] and "52,428" in said[0]
+    assert (
+        router.authority in said[0] and '"Capacity"' in said[0] and "trajectories per second x TTL" in said[0]
+    )
+    assert "--router-session-affinity-ttl-secs" in said[0] and attempt.session_id in said[0]
     assert metric_delta(before, "otel_session.error_responses", http__response__status_code=529) == 3
     assert metric_delta(before, "otel_session.requests", otel_session__retry=True) == 2
     assert metric_delta(before, "otel_session.requests", otel_session__retry=False) == 1
@@ -163,7 +165,7 @@ def test_a_full_table_is_named_once_with_the_ttl_rule_and_retries_are_counted(
     with otel_session.trajectory(), pytest.raises(openai.APIStatusError):
         _ask_openai(router, retries=0)
     assert len(_said(caplog, TABLE_FULL)) == 1  # once per router per process
-    assert _evidence.summaries()[f"dynamo {router.authority}"]["refused_529"] == 4
+    assert _evidence.summaries()[f"dynamo {router.authority}"]["refused_full"] == 4
 
 
 @pytest.mark.parametrize("client", ["httpx", "httpx-async", "aiohttp", "openai-async"])
