@@ -38,6 +38,7 @@ def configure(
     end_sessions: bool | None = None,
     servers: bool | None = None,
     trajectory_functions: Iterable[str] | str | None = None,
+    siblings: str | None = None,
 ) -> Settings:
     """Deliver each trajectory's session to its routers and its baggage to ``trusted_hosts``.
 
@@ -50,10 +51,13 @@ def configure(
     globally and instruments httpx, httpx2 (the openai SDK) and aiohttp when each is imported.
     ``servers=True`` puts the session middleware into every Starlette/FastAPI and aiohttp app the
     process builds. ``trajectory_functions`` (``module:Qualified.name``) makes every call of each
-    named function a trajectory attempt. Raises ``ValueError`` naming a bad argument or variable.
+    named function a trajectory attempt. ``siblings`` (``OTEL_SESSION_SIBLINGS``: ``attempt``,
+    ``prompt`` or ``groups:K``, default ``groups:2``) says how attempts of one group
+    (``trajectory(group=...)``) name a parent session. Raises ``ValueError`` naming a bad argument or
+    variable.
     """
     settings, warnings = _settings.build(
-        dynamo_hosts, trusted_hosts, tracing, routers, end_sessions, servers, trajectory_functions
+        dynamo_hosts, trusted_hosts, tracing, routers, end_sessions, servers, trajectory_functions, siblings
     )
     install(settings, warnings)
     return settings

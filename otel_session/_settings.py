@@ -5,7 +5,7 @@ always see one whole configuration, never half of an old one and half of a new o
 field by field, each from its argument or else its variable, and a bad one is a ``SettingError``
 naming that argument or variable. Zero-code mode builds it leniently: a variable that cannot be
 read costs one warning and its fallback, and a pattern list keeps its good entries. (Over 300 lines:
-nine arguments and their variables, each read strictly and leniently, in one place.)
+ten arguments and their variables, each read strictly and leniently, in one place.)
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 
 from otel_session._hosts import HostPattern, HostRules
 from otel_session._routers import DYNAMO, Profile, profile_named
+from otel_session._siblings import DEFAULT as DEFAULT_SIBLINGS
+from otel_session._siblings import ENV_SIBLINGS, Siblings
 
 ENV_DYNAMO_HOSTS = "OTEL_SESSION_DYNAMO_HOSTS"
 ENV_TRUSTED_HOSTS = "OTEL_SESSION_TRUSTED_HOSTS"
@@ -40,7 +42,8 @@ class Settings:
 
     ``adopt``: where servers keep their own session ID, ``("session", KEY)`` (Starlette's
     ``request.session[KEY]``) or ``("cookie", NAME)``. ``trajectory_functions``: the functions each
-    call of which is a trajectory attempt, as ``module:Qualified.name``.
+    call of which is a trajectory attempt, as ``module:Qualified.name``. ``siblings``: how attempts
+    that share a group (``trajectory(group=...)``, NeMo-RL's samples of one prompt) name a parent.
     """
 
     rules: HostRules = field(default_factory=HostRules)
@@ -49,6 +52,7 @@ class Settings:
     servers: bool = False
     adopt: tuple[str, str] | None = None
     trajectory_functions: tuple[str, ...] = ()
+    siblings: Siblings = DEFAULT_SIBLINGS
 
     def with_dynamo_hosts(self, patterns: Iterable[HostPattern]) -> Settings:
         """These settings with more Dynamo host patterns."""
@@ -231,6 +235,24 @@ class _Reader:
         )
         return None
 
+    def siblings(self, value: object) -> Siblings:
+        """``attempt``, ``prompt`` or ``groups:K``; a bad variable keeps the default (lenient)."""
+        name = "siblings" if value is not None else ENV_SIBLINGS
+        raw = value if value is not None else os.environ.get(ENV_SIBLINGS, "")
+        if isinstance(raw, Siblings):
+            return raw
+        if isinstance(raw, str) and not raw.strip() and value is None:
+            return DEFAULT_SIBLINGS
+        try:
+            if not isinstance(raw, str):
+                raise ValueError(f"must be a string such as 'groups:2', not {type(raw).__name__}")
+            return Siblings.parse(raw)
+        except ValueError as exc:
+            if value is not None:
+                raise SettingError(name, f"{name}: {exc}") from None
+            self._fail(name, f"{name}: {exc}", f"siblings are keyed as {DEFAULT_SIBLINGS}")
+            return DEFAULT_SIBLINGS
+
     def functions(self, value: Iterable[str] | str | None) -> tuple[str, ...]:
         """``module:Qualified.name`` entries; a bad one raises (an argument) or is left out (a variable)."""
         name = "trajectory_functions" if value is not None else ENV_TRAJECTORY_FUNCTIONS
@@ -255,6 +277,7 @@ def build(
     end_sessions: object = None,
     servers: object = None,
     trajectory_functions: Iterable[str] | str | None = None,
+    siblings: object = None,
     *,
     lenient: bool = False,
     servers_default: bool = False,
@@ -282,6 +305,7 @@ def build(
         ),
         adopt=reader.adopt(),
         trajectory_functions=reader.functions(trajectory_functions),
+        siblings=reader.siblings(siblings),
     )
     if say_if_empty and not settings.rules:
         if reader.failed & {ENV_DYNAMO_HOSTS, ENV_TRUSTED_HOSTS, ENV_ROUTERS}:

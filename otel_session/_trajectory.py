@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
+import os
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Hashable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
@@ -28,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _metrics, _session_end, _settings, _stock, _tracing
+from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
 from otel_session._ids import check_session_id, new_session_id
 
@@ -50,7 +51,10 @@ class trajectory(metaclass=_TrajectoryType):
 
     Each entry is a new attempt with a fresh UUID4, unless ``session_id`` adopts an existing stable
     ID (NeMo-Gym's per-episode UUID, say). Opened inside another trajectory it gets a new ID of its
-    own, and its requests to Dynamo name the outer one as parent. As a decorator, with or without
+    own, and its requests to Dynamo name the outer one as parent. ``group`` names what siblings
+    share (the prompt of a GRPO group: an index, a hash, any hashable value): attempts of one group
+    open at once name a common parent session as ``configure(siblings=...)`` says (``groups:2`` by
+    default: each two siblings under a parent of their own). As a decorator, with or without
     parentheses, every call of the function is a new attempt.
     """
 
@@ -70,8 +74,17 @@ class trajectory(metaclass=_TrajectoryType):
         sibling_index: int | None = None,
         attempt: int | None = None,
         attributes: Mapping[str, AttributeValue] | None = None,
+        group: Hashable | None = None,
     ) -> None:
         self._adopted = None if session_id is None else check_session_id(session_id)
+        try:
+            hash(group)
+        except TypeError:
+            raise TypeError(
+                f"trajectory(group=...) must be hashable (a str, int or tuple), not {group!r}"
+            ) from None
+        self._group = group
+        self._joined: Hashable | None = None  # the group this attempt is open in, while it is
         self._name = name
         self._attributes: dict[str, AttributeValue] = dict(attributes or {})
         for key, value in (
@@ -85,6 +98,7 @@ class trajectory(metaclass=_TrajectoryType):
         self._span: Span | None = None
         self._visits: set[_session_end.Visit] | None = None
         self._context: Context | None = None
+        self._pid = 0  # the process that began the attempt, the one that ends it
         self.session_id: str | None = None
         self.parent_session_id: str | None = None
 
@@ -93,11 +107,15 @@ class trajectory(metaclass=_TrajectoryType):
         """The trajectory span (non-recording while tracing is off)."""
         return self._span if self._span is not None else trace.INVALID_SPAN
 
-    def _fresh(self, attributes: Mapping[str, AttributeValue] | None = None) -> trajectory:
-        """An unentered copy, so one decorator serves many concurrent calls."""
+    def _fresh(
+        self, attributes: Mapping[str, AttributeValue] | None = None, group: Hashable | None = None
+    ) -> trajectory:
+        """An unentered copy, so one decorator serves many concurrent calls (``group``: in that one)."""
         clone: trajectory = object.__new__(trajectory)
         clone.__dict__.update(self.__dict__)
         clone._attributes = {**self._attributes, **(attributes or {})}
+        if group is not None:
+            clone._group = group
         return clone
 
     def _begin(self) -> Context:
@@ -116,6 +134,10 @@ class trajectory(metaclass=_TrajectoryType):
             parent = grandparent  # re-entering the enclosing session: the same session, the same parent
         elif session == grandparent:
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
+        settings = _settings.current
+        if parent is None and self._group is not None and settings is not None:
+            parent = _siblings.join(self._group, settings.siblings)  # an enclosing trajectory wins
+            self._joined = self._group if parent is not None else None
         ctx = with_session(session, parent, current)
         # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
         visits = None if reentered else _session_end.new_visits()
@@ -132,6 +154,7 @@ class trajectory(metaclass=_TrajectoryType):
         _hop.entered(ctx, session, parent, span)
         _metrics.trajectory("started")
         self._context = ctx
+        self._pid = os.getpid()
         return ctx
 
     def __enter__(self) -> trajectory:
@@ -169,9 +192,16 @@ class trajectory(metaclass=_TrajectoryType):
             await _session_end.finish_async(self.session_id, self.parent_session_id, visits)
 
     def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:
-        """Detach and end the span; returns the routers to tell the session is over (at most once)."""
+        """Detach and end the span; returns the routers to tell the session is over (at most once).
+        A raw fork child leaving the attempt (``sys.exit`` unwinding through the ``with``) only
+        detaches: the attempt, its span and its session's end are the parent's, still running it."""
         token, span, visits = self._token, self._span, self._visits
         self._token, self._visits, self._context = None, None, None
+        if self._joined is not None:
+            _siblings.leave(self._joined)
+            self._joined = None
+        if self._pid != os.getpid():
+            span, visits = None, None
         try:
             if span is not None and exc is not None and span.is_recording():
                 _record_failure(span, exc)

@@ -19,6 +19,8 @@ _PROFILES = {
     "dev": settings(max_examples=300, **_COMMON),  # type: ignore[arg-type]
     "ci": settings(max_examples=3_000, derandomize=True, **_COMMON),  # type: ignore[arg-type]
     "deep": settings(max_examples=10_000, **_COMMON),  # type: ignore[arg-type]
+    # scripts/mutate: the same few hundred cases for every mutant, so a verdict never hinges on the draw
+    "mutation": settings(max_examples=300, derandomize=True, **_COMMON),  # type: ignore[arg-type]
 }
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "dev")
 if PROFILE not in _PROFILES:

@@ -29,11 +29,13 @@ CORE = (
     "otel_session._trajectory",
     "otel_session._carry",
     "otel_session._config",
+    "otel_session._siblings",
 )
+# 2,500 until siblings (one parent per group of K) and calls that fail where the original does joined it.
+CORE_MAX_LINES = 2_700
 # Core modules beside the request path (counting, and judging what clients received): held to the
 # same import rule, not counted in the core's size.
 BESIDE_CORE = ("otel_session._metrics", "otel_session._evidence", "otel_session._verdicts")
-CORE_MAX_LINES = 2_500
 LONG = 300
 
 

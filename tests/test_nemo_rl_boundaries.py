@@ -77,6 +77,10 @@ class Request:
     def session(self) -> str | None:
         return self.seen.header("x-dynamo-session-id")
 
+    @property
+    def parent(self) -> str | None:
+        return self.seen.header("x-dynamo-parent-session-id")
+
 
 @dataclass
 class Run:
@@ -138,6 +142,21 @@ def assert_one_attempt(session: str | None, requests: list[Request], *, retried:
     assert len(workers) == 1 and None not in workers, (session, workers)
 
 
+def assert_siblings_grouped(requests: list[Request]) -> None:
+    """The default ``groups:2`` with 2 siblings a prompt: the siblings of one prompt in one run name
+    one parent, read by the preset from their identical initial message logs; no other prompt's."""
+    parents: dict[tuple[int, int], set[str | None]] = defaultdict(set)
+    sessions: dict[tuple[int, int], set[str | None]] = defaultdict(set)
+    for request in requests:
+        parents[(request.run, request.prompt)].add(request.parent)
+        sessions[(request.run, request.prompt)].add(request.session)
+    for key, found in parents.items():
+        assert len(found) == 1 and None not in found, (key, found)
+        assert len(sessions[key]) == 2, (key, sessions[key])
+    every = [next(iter(found)) for found in parents.values()]
+    assert len(set(every)) == len(every)
+
+
 def assert_nothing_reached_the_tools(tools: list[Any], expected: int) -> None:
     assert len(tools) == expected
     for seen in tools:
@@ -162,8 +181,12 @@ def test_floor_native_rollout_twice_one_session_per_sample_attempt(dynamo_stack:
         sessions_of_run.append(set(by_session))
     assert not sessions_of_run[0] & sessions_of_run[1]  # none shared between runs
     assert sum(r.status == 503 for r in run.requests) == 1
-    for request in run.requests:  # the session and nothing else of ours reaches Dynamo
-        assert {k.lower() for k, _ in request.headers} & OURS == {"x-dynamo-session-id"}, request.headers
+    for request in run.requests:  # the session (and its siblings' parent) and nothing else of ours
+        assert {k.lower() for k, _ in request.headers} & OURS == {
+            "x-dynamo-session-id",
+            "x-dynamo-parent-session-id",
+        }, request.headers
+    assert_siblings_grouped(run.requests)
     assert_nothing_reached_the_tools(run.tools, 2 * (2 * 3 + 2 * 4))
     assert NOTICE not in run.stderr  # every request was inside a boundary
 

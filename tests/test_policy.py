@@ -21,7 +21,7 @@ from opentelemetry import baggage
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
 
-from otel_session import _w3c
+from otel_session import _policy, _w3c
 from otel_session._hosts import NOWHERE, Route
 from otel_session._policy import BAGGAGE, TRACEPARENT, Offer, names_for, plan
 from otel_session._routers import BUILTIN, DYNAMO, Profile, profile_named
@@ -444,3 +444,63 @@ def test_no_other_member_is_appended_where_the_session_did_not_fit() -> None:
     offer = Offer("sess-" + "1" * 40, None, {SESSION_KEY: "sess-" + "1" * 40, "t": "a"})
     for name, value in plan(TRUSTED, offer, {"baggage": theirs}):
         assert name != "baggage" or value == theirs, f"appended {(value or '')[len(theirs) :]!r}"
+
+
+# ---- pinned by the mutation run (scripts/mutate): each test below fails on a mutant that survived ----
+
+
+def test_names_for_are_the_lower_case_names_plan_reads() -> None:
+    assert names_for(Route(DYNAMO)) == (
+        "baggage",
+        "traceparent",
+        "x-dynamo-session-id",
+        "x-dynamo-parent-session-id",
+    )
+    assert names_for(Route(profile_named("header:X-Custom-Key"))) == (
+        "baggage",
+        "traceparent",
+        "x-custom-key",
+    )
+    assert names_for(TRUSTED) == ("baggage", "traceparent")
+
+
+def test_names_for_a_route_are_worked_out_once_and_kept_within_bounds() -> None:
+    """Kept by the route's identity: the same tuple for the same route, a fresh answer for another
+    route even where it reuses a forgotten route's ``id``; never more than 256 routes kept."""
+    route = Route(DYNAMO)
+    names_for(route)
+    assert names_for(route) is names_for(route)
+    gone = Route(BUILTIN["smg"])
+    _policy._names[id(route)] = (gone, names_for(gone))  # as if ``route`` had reused a dead one's id
+    assert names_for(route) == ("baggage", "traceparent", "x-dynamo-session-id", "x-dynamo-parent-session-id")
+    kept = [Route(profile_named(f"header:X-K{i}")) for i in range(600)]
+    largest = 0
+    for other in kept:
+        names_for(other)
+        largest = max(largest, len(_policy._names))
+    assert largest == 256
+
+
+def test_a_span_to_name_goes_to_every_route_unless_the_caller_named_one() -> None:
+    offer = Offer("sess-1", None, {SESSION_KEY: "sess-1"}, OUR_TRACEPARENT)
+    for route in (Route(DYNAMO), TRUSTED, Route(DYNAMO, trusted=True)):
+        assert (TRACEPARENT, OUR_TRACEPARENT) in plan(route, offer, {}), route
+        theirs = {TRACEPARENT: f"00-{'1' * 32}-{'2' * 16}-01"}
+        assert TRACEPARENT not in dict(plan(route, offer, theirs)), route
+        replaced = plan(route, offer, theirs, callers_only=False, replaceable=frozenset({TRACEPARENT}))
+        assert (TRACEPARENT, OUR_TRACEPARENT) in replaced, route
+    assert plan(NOWHERE, offer, {}) == []
+
+
+def test_what_otel_session_wrote_earlier_in_the_hop_is_rewritten_parent_included() -> None:
+    offer = Offer("sess-1", "parent-1", {SESSION_KEY: "sess-1", PARENT_KEY: "parent-1"})
+    held = {"x-dynamo-session-id": "old", "x-dynamo-parent-session-id": "old-parent"}
+    names = frozenset(held)
+    assert plan(Route(DYNAMO), offer, held, callers_only=False, replaceable=names) == [
+        ("X-Dynamo-Session-ID", "sess-1"),
+        ("X-Dynamo-Parent-Session-ID", "parent-1"),
+    ]
+    only_session = frozenset({"x-dynamo-session-id"})
+    assert plan(Route(DYNAMO), offer, held, callers_only=False, replaceable=only_session) == [
+        ("X-Dynamo-Session-ID", "sess-1")
+    ]

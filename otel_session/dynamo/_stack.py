@@ -81,6 +81,9 @@ class DynamoProcess:
     port: int | None = None
     #: Workers: Dynamo's instance id, the value of ``nvext.worker_id.decode_worker_id`` in responses.
     instance_id: int | None = None
+    #: Workers: how many Dynamo workers this process hosts (``--num-workers``), and their instance ids.
+    hosts_workers: int = 1
+    instance_ids: list[int] = field(default_factory=list)
     stopped: bool = field(default=False, repr=False)
 
     @property
@@ -212,8 +215,11 @@ class LocalDynamo:
     ``python`` is the interpreter that runs Dynamo (default ``$OTEL_SESSION_DYNAMO_PYTHON``, else this
     one); only this interpreter's Dynamo is ever installed automatically. Dynamo before 1.5 has no
     affinity mode flag: there ``affinity_mode`` must stay ``"hard"`` and is not passed.
-    ``startup_timeout`` counts from the first process spawned: installing Dynamo and building the
-    model directory come before it.
+    ``workers_per_process`` puts that many workers in each mocker process (``--num-workers``): a
+    fleet of hundreds fits one process, and :attr:`worker_ids` lists every worker's instance id; the
+    processes in :attr:`workers` then stand for groups of workers (``instance_id`` stays ``None``
+    unless a process hosts exactly one). ``startup_timeout`` counts from the first process spawned:
+    installing Dynamo and building the model directory come before it.
 
     Arguments are checked here, with the same checks as the ``otel-session`` command: ``router_mode``
     one of :data:`~otel_session.dynamo._checks.ROUTER_MODES`, ``affinity_mode`` ``"hard"`` or
@@ -246,8 +252,12 @@ class LocalDynamo:
         stop_timeout: float = 5.0,
         auto_install: bool = True,
         python: str | None = None,
+        workers_per_process: int = 1,
     ) -> None:
         self.num_workers = _checked("workers", _checks.whole_number, workers, 1)
+        self.workers_per_process = _checked(
+            "workers_per_process", _checks.whole_number, workers_per_process, 1
+        )
         self.num_frontends = _checked("frontends", _checks.whole_number, frontends, 1)
         self.router_mode = _checked("router_mode", _checks.router_mode, router_mode)
         self.affinity_ttl_secs = _checked("affinity_ttl_secs", _checks.affinity_ttl, affinity_ttl_secs)
@@ -323,7 +333,7 @@ class LocalDynamo:
     @property
     def worker_ids(self) -> list[int]:
         """Dynamo instance ids in worker order; compare with :func:`worker_id_of` on responses."""
-        return [w.instance_id for w in self.workers if w.instance_id is not None]
+        return [i for w in self.workers for i in w.instance_ids]
 
     @property
     def pids(self) -> list[int]:
@@ -333,7 +343,7 @@ class LocalDynamo:
     def worker_index(self, instance_id: int) -> int:
         """Which worker (index into :attr:`workers`) has this Dynamo instance id."""
         for w in self.workers:
-            if w.instance_id == instance_id:
+            if instance_id in w.instance_ids:
                 return w.index
         raise KeyError(f"no worker with instance id {instance_id}")
 
@@ -384,7 +394,11 @@ class LocalDynamo:
                 (self.run_dir / "kv").mkdir()
                 self._alias_model_in_hub_cache(model_dir)
                 self._start_broker()
-                self.workers = [self._spawn_worker(i, model_dir) for i in range(self.num_workers)]
+                per = self.workers_per_process
+                self.workers = [
+                    self._spawn_worker(i, model_dir, min(per, self.num_workers - first))
+                    for i, first in enumerate(range(0, self.num_workers, per))
+                ]
                 self._start_frontends(began + self.startup_timeout)
                 self._wait_ready(began + self.startup_timeout)
             except BaseException:
@@ -569,7 +583,7 @@ class LocalDynamo:
         ports = json.loads(ready.read_text())
         self._broker_url = f"xsub=tcp://{LOOPBACK}:{ports['xsub']} , xpub=tcp://{LOOPBACK}:{ports['xpub']}"
 
-    def _spawn_worker(self, index: int, model_dir: Path) -> DynamoProcess:
+    def _spawn_worker(self, index: int, model_dir: Path, count: int = 1) -> DynamoProcess:
         assert self.run_dir is not None
         args = [
             "-m", "dynamo.mocker",
@@ -579,9 +593,12 @@ class LocalDynamo:
             "--discovery-backend", "file",
             "--block-size", str(self.block_size),
             "--speedup-ratio", str(self.speedup_ratio),
+            *(["--num-workers", str(count)] if count > 1 else []),
             *self.worker_args,
         ]  # fmt: skip
-        return self._spawn("worker", index, args, self._env(self.run_dir / "home" / f"worker{index}"))
+        proc = self._spawn("worker", index, args, self._env(self.run_dir / "home" / f"worker{index}"))
+        proc.hosts_workers = count
+        return proc
 
     def _frontend_cmd(self, port: int) -> list[str]:
         args = [
@@ -657,15 +674,16 @@ class LocalDynamo:
 
     def _map_instances(self, instances: list[dict[str, Any]]) -> bool:
         """Match each worker process to its Dynamo instance id via the TCP port it listens on."""
-        by_port: dict[int, int] = {}
+        by_port: dict[int, set[int]] = {}
         for inst in instances:
             addr = str(inst.get("transport", {}).get("tcp", "")).split("/", 1)[0]
-            with contextlib.suppress(ValueError):
-                by_port[int(addr.rsplit(":", 1)[1])] = int(inst["instance_id"])
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                by_port.setdefault(int(addr.rsplit(":", 1)[1]), set()).add(int(inst["instance_id"]))
         for w in self.workers:
-            ids = {by_port[p] for p in _listening_ports(w.pid) if p in by_port}
-            w.instance_id = ids.pop() if len(ids) == 1 else None
-        return all(w.instance_id is not None for w in self.workers)
+            ids = {i for p in _listening_ports(w.pid) for i in by_port.get(p, ())}
+            w.instance_ids = sorted(ids)
+            w.instance_id = w.instance_ids[0] if len(ids) == 1 and w.hosts_workers == 1 else None
+        return all(len(w.instance_ids) == w.hosts_workers for w in self.workers)
 
     def _raise_timeout(self, states: list[tuple[bool, list[dict[str, Any]]]]) -> None:
         laggards = [fe for fe, (ok, _) in zip(self.frontends, states, strict=True) if not ok]
@@ -673,7 +691,7 @@ class LocalDynamo:
         registered = max((len(inst) for _, inst in states), default=0)
         if registered < self.num_workers:
             self._map_instances(max((inst for _, inst in states), key=len, default=[]))
-            suspects = [*suspects, *(w for w in self.workers if w.instance_id is None)]
+            suspects = [*suspects, *(w for w in self.workers if len(w.instance_ids) < w.hosts_workers)]
         tails = "\n\n".join(f"--- {p.name} (pid {p.pid}) log tail:\n{p.log_tail()}" for p in suspects)
         raise DynamoStartError(
             f"Dynamo stack not ready after {self.startup_timeout:.0f}s "

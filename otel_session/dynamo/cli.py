@@ -492,7 +492,8 @@ def _doctor(args: argparse.Namespace) -> int:
     _check_clients()
     from otel_session.dynamo.doctor import diagnose
 
-    report = diagnose(args.base_url, model=args.model, requests=args.requests)
+    batch = (args.prompts, args.siblings) if args.prompts and args.siblings else None
+    report = diagnose(args.base_url, model=args.model, requests=args.requests, batch=batch)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -565,6 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests", type=_whole(2, 1000), default=6, help="requests per probe session (default 6)"
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
+    doctor.add_argument("--prompts", type=_whole(1, 1_000_000), help="GRPO batch: prompts per step")
+    doctor.add_argument("--siblings", type=_whole(1, 10_000), help="GRPO batch: samples per prompt")
     doctor.set_defaults(func=_doctor)
     install = sub.add_parser(
         "install-dynamo", help="install Dynamo 1.6.1 for the local stack (pip, --no-deps)"

@@ -18,7 +18,7 @@ import otel_session
 from otel_session import SESSION_HEADER, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
 from otel_session.dynamo._library_log import no_session_on_purpose
-from otel_session.dynamo.sizing import FULL_ANSWER, sizing_note
+from otel_session.dynamo.sizing import FULL_ANSWER, siblings_note, sizing_note, step_rule
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -83,7 +83,14 @@ def _recording_transport(sent: list[tuple[bool, str | None]]) -> Any:
     return Recording()
 
 
-def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sessions: int = 3) -> Report:
+def diagnose(
+    base_url: str,
+    *,
+    model: str | None = None,
+    requests: int = 6,
+    sessions: int = 3,
+    batch: tuple[int, int] | None = None,
+) -> Report:
     """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``).
 
     A URL that is not one, or that carries credentials (``user:password@``), is a :class:`ValueError`
@@ -216,4 +223,23 @@ def diagnose(base_url: str, *, model: str | None = None, requests: int = 6, sess
             "let it through, and hash on it if several frontends sit behind a load balancer",
         )
     report.add("session table", True, " ".join(sizing_note()))
+    if batch is not None:
+        _advise_siblings(report, base_url, *batch)
     return report
+
+
+def _advise_siblings(report: Report, base_url: str, prompts: int, siblings: int) -> None:
+    """How to key GRPO siblings for this fleet (its size read from ``/health``) and batch shape."""
+    import httpx2
+
+    try:
+        health = httpx2.get(base_url.rstrip("/").removesuffix("/v1") + "/health", timeout=10).json()
+        instances = {
+            i.get("instance_id")
+            for i in health.get("instances", [])
+            if isinstance(i, dict) and i.get("endpoint") == "generate"
+        }
+    except Exception:  # an old frontend or a proxy without /health: advise without the fleet's size
+        instances = set()
+    report.add("sibling keying", True, siblings_note(len(instances) or None, prompts, siblings))
+    report.add("session table per step", True, step_rule(prompts * siblings))

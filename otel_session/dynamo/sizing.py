@@ -17,6 +17,8 @@ at debug level, not to the frontend's path: a frontend never routes a new sessio
 
 from __future__ import annotations
 
+import math
+
 #: Dynamo's session affinity table (1.3.0.post1 and 1.6.1).
 TABLE_SIZE = 65_536
 #: Plan for at most this share of the table: trajectory starts come in bursts (a GRPO step starts a
@@ -71,3 +73,123 @@ def sizing_note(trajectories_per_second: float | None = None, ttl_secs: int | No
                 f"{held:,.0f} bindings of {TABLE_SIZE:,} ({verdict})."
             )
     return lines
+
+
+def step_bindings(per_step: int, step_secs: float, ttl_secs: float, trajectory_secs: float = 0.0) -> int:
+    """Bindings held just after a GRPO step starts: its own ``per_step`` at once, plus every earlier
+    step's still inside its TTL (a step's bindings live ``trajectory_secs + ttl_secs`` from its start).
+    The rate rule's ``per_step / step_secs x TTL``, counted in whole steps, burst included."""
+    if per_step <= 0:
+        return 0
+    if step_secs <= 0:
+        return per_step  # a single step: nothing earlier to count
+    alive = max(1, math.ceil((max(0.0, trajectory_secs) + max(0.0, ttl_secs)) / step_secs))
+    return per_step * alive
+
+
+def largest_step_ttl(per_step: int, step_secs: float, trajectory_secs: float = 0.0) -> int | None:
+    """The longest whole-second TTL keeping :func:`step_bindings` within the budget, or ``None`` when
+    no TTL does: one step alone starts more sessions than the budget holds."""
+    steps = BUDGET // per_step if per_step > 0 else 0
+    if steps < 1:
+        return None
+    ttl = math.floor(steps * step_secs - max(0.0, trajectory_secs))
+    return ttl if ttl >= 1 else None
+
+
+def step_rule(per_step: int) -> str:
+    """The doctor's line for a batch shape when the step interval is not known: how many steps'
+    bindings fit, hence how long TTL plus a trajectory may last in step intervals."""
+    steps = BUDGET // per_step if per_step > 0 else 0
+    if steps < 1:
+        return (
+            f"a step of {per_step:,} trajectories starts more than {BUDGET:,} sessions at once: no TTL "
+            f"fits, and the sessions past the table get {FULL_ANSWER}"
+        )
+    plural = "s" if steps != 1 else ""
+    return (
+        f"a step of {per_step:,} trajectories: the bindings of {steps:,} step{plural} fit in {BUDGET:,}, "
+        f"so keep TTL + one trajectory's duration within {steps:,} step interval{plural} "
+        "(bindings ~= trajectories per step x ceil((duration + TTL) / interval))"
+    )
+
+
+def step_note(
+    per_step: int, step_secs: float, ttl_secs: int | None = None, trajectory_secs: float = 0.0
+) -> str:
+    """The doctor's line for a GRPO run: a step of ``per_step`` trajectories every ``step_secs``."""
+    limit = largest_step_ttl(per_step, step_secs, trajectory_secs)
+    head = f"GRPO steps of {per_step:,} trajectories every {step_secs:g} s"
+    if limit is None:
+        return (
+            f"{head}: more than {BUDGET:,} new sessions within one TTL; no TTL fits: start fewer "
+            f"trajectories per step, or expect {FULL_ANSWER} for the sessions past the table"
+        )
+    if ttl_secs is None:
+        return f"{head}: a TTL of at most {limit} s."
+    held = step_bindings(per_step, step_secs, ttl_secs, trajectory_secs)
+    verdict = "fits" if ttl_secs <= limit else f"too many: lower the TTL to {limit} s or less"
+    return (
+        f"{head} with a TTL of {ttl_secs} s: about {held:,} bindings of {TABLE_SIZE:,} at each step's "
+        f"start ({verdict})."
+    )
+
+
+def sibling_group_size(workers: int, prompts: int, siblings: int) -> int:
+    """Siblings per group so a step's groups about fill the fleet, one group per worker:
+    ``ceil(G / max(1, workers // prompts))``. More prompts than workers: a group per prompt."""
+    if siblings <= 1 or prompts <= 0 or workers <= 0:
+        return 1
+    return math.ceil(siblings / max(1, workers // prompts))
+
+
+def siblings_setting(workers: int, prompts: int, siblings: int) -> str:
+    """The sibling keying for a batch shape on a fleet, as ``OTEL_SESSION_SIBLINGS`` spells it."""
+    size = sibling_group_size(workers, prompts, siblings)
+    if size <= 1:
+        return "attempt"
+    return "prompt" if size >= siblings else f"groups:{size}"
+
+
+#: Siblings per parent in the library's default setting (``groups:2``).
+DEFAULT_GROUP = 2
+#: From this many workers a burst of trajectories measured better with kv routing alone when caches
+#: were tight (docs/performance.md, "At fleet scale").
+LARGE_FLEET = 128
+#: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
+SIBLINGS_RULE = (
+    "key a GRPO step's siblings in groups sized so each worker gets about one group: "
+    "K = ceil(siblings / max(1, workers // prompts)) siblings share one parent session "
+    "(OTEL_SESSION_SIBLINGS=groups:K; K >= siblings is 'prompt', K = 1 'attempt'); a session per attempt "
+    "thrashes a worker whose KV cache holds fewer of the contexts it is given, and one "
+    "group per prompt leaves workers idle when prompts are fewer than workers"
+)
+
+
+def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
+    """The doctor's line for a batch shape: the rule, this fleet's setting when its size is known,
+    and whether the library's default (``groups:2``) is in a cell where it measured worse than kv."""
+    if workers is None:
+        return f"fleet size unknown (no /health instances): {SIBLINGS_RULE}."
+    setting = siblings_setting(workers, prompts, siblings)
+    default_groups = prompts * math.ceil(siblings / DEFAULT_GROUP)
+    if setting == f"groups:{DEFAULT_GROUP}":
+        verdict = "the default (groups:2) is that setting"
+    elif siblings > 1 and default_groups < workers:
+        verdict = (
+            f"the default (groups:2) makes {default_groups} groups for {workers} workers, fewer than the "
+            "workers: there it measured slower than kv routing alone (TTFT), so set it"
+        )
+    else:
+        verdict = (
+            "the default (groups:2) fills the fleet too; this setting measured better where caches are tight"
+        )
+    if workers >= LARGE_FLEET and siblings > 1:
+        verdict += (
+            f"; at {LARGE_FLEET} workers and more, with KV caches that hold fewer contexts than a worker is "
+            "given, kv routing alone measured a higher hit rate than every session setting: compare both"
+        )
+    return (
+        f"{workers} workers, {prompts} prompts x {siblings} siblings: OTEL_SESSION_SIBLINGS={setting} "
+        f"({verdict}); the rule: {SIBLINGS_RULE}."
+    )

@@ -28,10 +28,12 @@ from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 from otel_session import _config, _faults, _settings
+from otel_session.instrumentation._reloads import when_reloaded
 
 Wrapper = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 # Upstream's unwrap puts back ``getattr(cls, name).__wrapped__``: a bound wrapper, when ours was below.
 _WRAPPERS = (wrapt.FunctionWrapper, wrapt.BoundFunctionWrapper)
+_bind = wrapt.FunctionWrapper.__get__  # wrapt's own binding, called straight from ``Patched.__get__``
 
 
 class BoundPatched(wrapt.BoundFunctionWrapper[..., Any]):
@@ -40,8 +42,11 @@ class BoundPatched(wrapt.BoundFunctionWrapper[..., Any]):
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         parent = self._self_parent
-        instance = self._self_instance if self._self_binding not in ("classmethod", "staticmethod") else None
-        holder = instance if instance is not None else getattr(parent, "_self_owner_of", None)
+        if self._self_binding == "classmethod":  # bound to the class it was reached through, a subclass too
+            holder = getattr(self.__wrapped__, "__self__", None)
+        else:
+            instance = self._self_instance if self._self_binding != "staticmethod" else None
+            holder = instance if instance is not None else getattr(parent, "_self_owner_of", None)
         if holder is None:
             return self.__wrapped__.__reduce_ex__(protocol)
         return getattr, (holder, parent._self_attribute)
@@ -65,6 +70,20 @@ class Patched(wrapt.FunctionWrapper[..., Any]):
         super().__init__(wrapped, wrapper)
         self._self_owner_of = owner
         self._self_attribute = attribute
+        self._self_through: Any = None
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """Through an instance, wrapt's binding; through a class, one object every time, as
+        ``Class.method`` (a function or staticmethod) is for the original: cloudpickle, how Ray
+        ships functions, sends one by name only when its name looks up that very object, and else
+        copies its code, which runs unpatched there and fails on a global it cannot pickle (a lock)."""
+        if instance is not None or owner is None or self._self_binding == "classmethod":
+            return _bind(self, instance, owner)  # a classmethod is bound anew each time, as unpatched
+        through = self._self_through
+        if through is None:
+            holder = self._self_owner_of if isinstance(self._self_owner_of, type) else owner
+            through = self._self_through = _bind(self, None, holder)
+        return through
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         owner = self._self_owner_of
@@ -149,13 +168,14 @@ class SessionInstrumentor(BaseInstrumentor):  # type: ignore[misc]
                 # Runs at once if the library is imported already; the hook cannot be removed, so it
                 # checks ``active`` whenever it fires.
                 wrapt.register_post_import_hook(self._imported, self.library)
+                when_reloaded(self.library, self._imported)
                 return
         if module is not None:
             self._imported(module)
 
     def _imported(self, module: ModuleType) -> None:
         with self._lock:
-            if not self.active or self._installed:
+            if not self.active:
                 return
             try:
                 conflict = self._conflict()

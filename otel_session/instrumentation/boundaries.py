@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import atexit
 import copy
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import operator
 import sys
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, SupportsIndex
@@ -40,9 +41,13 @@ import wrapt
 from otel_session import _faults, _hop, _settings
 from otel_session._trajectory import as_attempt, trajectory
 from otel_session.instrumentation._base import Patched, SessionInstrumentor, Wrapper
+from otel_session.instrumentation._reloads import when_reloaded
 
 # Arguments that name the sample a rollout function runs, recorded as the attempt's span attribute.
 _SAMPLE_ARGUMENTS = {"sample_idx": "otel_session.sample_index", "traj_idx": "otel_session.sample_index"}
+# Arguments holding the sample a rollout starts from, whose conversation its siblings share (NeMo-RL's
+# ``run_sample_multi_turn_rollout`` and ``AsyncRolloutImpl._run_single_rollout``).
+_PROMPT_ARGUMENTS = ("initial_sample_state", "input_sample")
 
 # Code a boundary must never be made of: what otel-session itself runs while opening and ending an
 # attempt (the standard library too: no rollout lives there, and ``inspect`` or ``uuid`` would recurse).
@@ -102,23 +107,58 @@ def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, Any]:
     return owner, name, target
 
 
-def _sample_attributes(func: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]:
-    """A reader of the sample index among a call's arguments, made once per function."""
+Read = Callable[[tuple[Any, ...], dict[str, Any]], tuple[dict[str, Any], Hashable | None]]
+
+
+def _nothing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], Hashable | None]:
+    return {}, None
+
+
+def _prompt_of(state: Any) -> Hashable | None:
+    """What the siblings of a sample share: its initial conversation (NeMo-RL repeats each prompt's
+    sample for its siblings, so their message logs are identical), as a digest of the roles and
+    texts; ``None`` where a message's content is not text (its identity cannot be read cheaply)."""
+    log = state.get("message_log") if isinstance(state, Mapping) else None
+    if not isinstance(log, (list, tuple)) or not log:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for message in log:
+        role = message.get("role") if isinstance(message, Mapping) else None
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(role, str) or not isinstance(content, str):
+            return None
+        digest.update(f"{len(role)}:{role}{len(content)}:".encode())
+        digest.update(content.encode(errors="surrogatepass"))
+    return digest.hexdigest()
+
+
+def _reader(func: Any) -> Read:
+    """A reader of a call's arguments, made once per function: the sample index (a span attribute)
+    and the prompt the sample shares with its siblings (its group)."""
     try:
         parameters = list(inspect.signature(func).parameters)
     except (TypeError, ValueError):
-        return lambda args, kwargs: {}
+        return _nothing
     if parameters and parameters[0] in ("self", "cls"):
         parameters = parameters[1:]  # wrapt hands bound calls their arguments without the instance
     named = [(i, p, _SAMPLE_ARGUMENTS[p]) for i, p in enumerate(parameters) if p in _SAMPLE_ARGUMENTS]
+    prompts = [(i, p) for i, p in enumerate(parameters) if p in _PROMPT_ARGUMENTS]
 
-    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def argument(index: int, parameter: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return kwargs[parameter] if parameter in kwargs else args[index] if index < len(args) else None
+
+    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], Hashable | None]:
         found = {}
         for index, parameter, attribute in named:
-            value = kwargs[parameter] if parameter in kwargs else args[index] if index < len(args) else None
+            value = argument(index, parameter, args, kwargs)
             if isinstance(value, (int, str)) and not isinstance(value, bool):
                 found[attribute] = value
-        return found
+        group = None
+        for index, parameter in prompts:
+            group = _prompt_of(argument(index, parameter, args, kwargs))
+            if group is not None:
+                break
+        return found, group
 
     return read
 
@@ -139,14 +179,15 @@ class _Boundary:
     def __init__(self, name: str) -> None:
         self.name = name
         self.template = trajectory(name=name.partition(":")[2], attributes={"otel_session.boundary": name})
-        self.read = _sample_attributes(None)  # reads nothing until applied to a function
+        self.read: Read = _nothing  # reads nothing until applied to a function
         self.holders: set[object] = set()  # the instrumentors naming it now; none: every call passes through
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.holders or _serving(wrapped):  # a stale reference, or one inside opens the attempt
             return wrapped(*args, **kwargs)
         try:
-            template = self.template._fresh(self.read(args, kwargs))
+            attributes, group = self.read(args, kwargs)
+            template = self.template._fresh(attributes, group)
         except Exception as exc:  # a bug of ours must not fail the rollout: it runs as it would
             _faults.report(f"opening a trajectory for {self.name}", exc)
             return wrapped(*args, **kwargs)
@@ -285,6 +326,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                 if module not in self._hooked:
                     self._hooked.add(module)
                     wrapt.register_post_import_hook(self._module_imported, module)
+                    when_reloaded(module, self._module_reloaded)
                 elif module in sys.modules:
                     self._module_imported(sys.modules[module])
             if self._names and not self.presets and not self._exit_check:
@@ -303,6 +345,12 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                     self._applied.add(name)
                     self._apply(module, name)
 
+    def _module_reloaded(self, module: ModuleType) -> None:
+        """Reloaded: its functions and classes are new, so each name is applied afresh."""
+        with _LOCK:
+            self._applied.difference_update(n for n in self._names if n.partition(":")[0] == module.__name__)
+        self._module_imported(module)
+
     def _apply(self, module: ModuleType, name: str) -> None:
         boundary = _BOUNDARIES[name]
         try:
@@ -312,7 +360,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                     "function in a module it imports, or decorate it with @otel_session.trajectory"
                 )
             owner, attribute, target = _resolve(module, name.partition(":")[2])
-            boundary.read = _sample_attributes(getattr(owner, attribute))
+            boundary.read = _reader(getattr(owner, attribute))
             proxy = _Proxy(target, boundary, owner, attribute)
             copied = attribute not in vars(owner)  # inherited: wrapped on this class only, never its base
             setattr(owner, attribute, proxy)

@@ -1,0 +1,104 @@
+"""benchmarks/fleet.py: its figures from hand-made requests, and its quick run on a real fleet."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.fleet import (
+    ARMS,
+    Attempt,
+    Cell,
+    Request,
+    default_vs_kv,
+    group_size,
+    main,
+    measure,
+    siblings_of,
+)
+
+
+def _req(turn: int, worker: int, prompt: int, cached: int, start: float, end: float) -> Request:
+    return Request(turn, worker, prompt, cached, ttft_ms=10.0 * (turn + 1), start=start, end=end)
+
+
+def test_figures_of_a_hand_made_step() -> None:
+    cell = Cell(workers=4, blocks=64, prompts=1, siblings=2, turns=2)
+    pinned = Attempt(0, 0, [_req(0, 1, 100, 0, 0.0, 1.0), _req(1, 1, 150, 96, 1.0, 2.0)])
+    moved = Attempt(0, 1, [_req(0, 2, 100, 96, 0.0, 1.0), _req(1, 3, 150, 0, 1.0, 2.0)])
+    fig = measure([pinned, moved], cell, wall=2.0)
+    assert fig["hit_rate"] == pytest.approx(96 / 300)
+    assert fig["ceiling"] == pytest.approx(192 / 300)  # the previous prompt, in whole blocks of 16
+    assert fig["ceiling_all"] == pytest.approx((192 + 96) / 500)  # plus the sibling's shared prompt
+    assert fig["hit_rate_all"] == pytest.approx(192 / 500)
+    assert fig["pinned"] == 1 and fig["switches"] == pytest.approx(0.5)
+    assert fig["workers_used"] == 3 and fig["turns_per_s"] == pytest.approx(2.0)
+    # Two requests in flight on two of 4 workers at any instant: max 1 over a mean of 0.5.
+    assert fig["balance"] == pytest.approx(2.0)
+    assert fig["ttft_ms"] == pytest.approx(20.0) and fig["ttft_all_ms"] == pytest.approx(15.0)
+
+
+def test_one_busy_worker_is_unbalanced() -> None:
+    cell = Cell(workers=4, blocks=64, prompts=1, siblings=2, turns=1)
+    both = [Attempt(0, s, [_req(0, 7, 100, 0, 0.0, 1.0)]) for s in range(2)]
+    assert measure(both, cell, wall=1.0)["balance"] == pytest.approx(4.0)
+
+
+def test_group_sizes_and_the_auto_arm() -> None:
+    cell = Cell(workers=32, blocks=1024, prompts=16, siblings=8)
+    assert group_size("none", cell) is None and group_size("attempt", cell) is None
+    assert group_size("prompt", cell) == 8 and group_size("groups:2", cell) == 2
+    assert group_size("groups:16", cell) == 8
+    assert siblings_of("auto", cell) == "groups:4"  # 2 groups per prompt fill 32 workers with 16 prompts
+    assert siblings_of("auto", Cell(64, 1024, 8, 16)) == "groups:2"
+    assert siblings_of("auto", Cell(8, 1024, 16, 8)) == "prompt"  # more prompts than workers
+    assert siblings_of("default", cell) is None and siblings_of("groups:4", cell) == "groups:4"
+    assert {"kv", "kv+attempt", "kv+default", "kv+prompt", "kv+auto"} <= set(ARMS)
+
+
+@pytest.mark.slow
+def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    rows: list[dict[str, object]] = []
+    assert main(["--quick"], sink=rows) == 0
+    out = capsys.readouterr().out
+    assert "| cell | arm | runs |" in out and "kv+default" in out
+    assert {r["arm"] for r in rows} == {"rr", "kv", "kv+attempt", "kv+default"}
+    for r in rows:
+        assert r["errors"] == 0, r["first_error"]
+        for key in ("hit_rate", "ceiling", "hit_rate_all", "ceiling_all"):
+            assert 0.0 <= r[key] <= 1.0, (key, r)  # type: ignore[operator]
+        assert r["hit_rate"] <= r["ceiling"] + 1e-9  # type: ignore[operator]
+        if r["keying"] != "none":
+            assert r["pinned"] == r["trajectories"], r
+    default = next(r for r in rows if r["arm"] == "kv+default")
+    assert default["siblings_setting"] == "groups:2" and default["group_size"] == 2
+    assert default["groups_together"] == 1.0  # each pair of siblings named one parent: one worker
+    kv = next(r for r in rows if r["arm"] == "kv+attempt")
+    rr = next(r for r in rows if r["arm"] == "rr")
+    assert kv["hit_rate"] > rr["hit_rate"]  # type: ignore[operator]
+
+
+def _row(arm: str, hit: float, ttft: float, cell: str = "32w 256blk 16x8") -> dict[str, object]:
+    return {"cell": cell, "arm": arm, "hit_rate": hit, "ttft_all_ms": ttft, "workers": 32, "blocks": 256}
+
+
+def test_the_default_is_judged_against_kv_and_its_spread() -> None:
+    rows = [
+        _row("kv", 0.6, 100),
+        _row("kv", 0.5, 150),
+        _row("kv+groups:2", 0.7, 140),
+        _row("kv+default", 0.7, 145),
+    ]
+    line = default_vs_kv(rows).splitlines()[-1]
+    assert line == "| 32w 256blk 16x8 | 2, 2 | +0.15 | 1.14x | 1.50x | not worse |"  # groups:2 pooled
+    slower = default_vs_kv([*rows[:2], _row("kv+default", 0.9, 151)]).splitlines()[-1]
+    assert slower.endswith("| worse: TTFT |")
+    lower = default_vs_kv([*rows[:2], _row("kv+default", 0.53, 90)]).splitlines()[-1]
+    assert lower.endswith("| worse: hit |")
+
+
+def test_workers_per_process_is_checked_before_anything_starts() -> None:
+    from otel_session.dynamo import LocalDynamo
+
+    with pytest.raises(ValueError, match=r"^workers_per_process: "):
+        LocalDynamo(workers=8, workers_per_process=0)
+    assert LocalDynamo(workers=8, workers_per_process=3).workers_per_process == 3

@@ -1,0 +1,104 @@
+"""The affinity table at GRPO step rates: whole steps of bindings, counted at each step's start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from otel_session.dynamo import LocalDynamo
+from otel_session.dynamo.doctor import diagnose
+from otel_session.dynamo.sizing import (
+    BUDGET,
+    SIBLINGS_RULE,
+    largest_step_ttl,
+    sibling_group_size,
+    siblings_note,
+    siblings_setting,
+    step_bindings,
+    step_note,
+    step_rule,
+)
+
+
+def test_a_step_holds_its_own_bindings_and_those_of_steps_still_inside_the_ttl() -> None:
+    assert step_bindings(1000, 60, 0) == 1000  # a burst: the whole step at once
+    assert step_bindings(1000, 60, 60) == 1000  # the previous step's bindings just expired
+    assert step_bindings(1000, 60, 61) == 2000
+    assert step_bindings(1000, 60, 300, trajectory_secs=30) == 6000  # 330 s of steps, 60 s apart
+    assert step_bindings(0, 60, 300) == 0 and step_bindings(5, 0, 300) == 5
+
+
+@pytest.mark.parametrize(
+    ("per_step", "step_secs", "run_secs"),
+    [(8192, 60, 30), (1024, 20, 5), (128, 3, 2), (52_428, 100, 10), (7, 0.5, 0.2)],
+)
+def test_the_largest_ttl_fits_and_one_second_more_does_not(
+    per_step: int, step_secs: float, run_secs: float
+) -> None:
+    ttl = largest_step_ttl(per_step, step_secs, run_secs)
+    assert ttl is not None
+    assert step_bindings(per_step, step_secs, ttl, run_secs) <= BUDGET
+    assert step_bindings(per_step, step_secs, ttl + 1, run_secs) > BUDGET
+
+
+def test_a_step_bigger_than_the_budget_has_no_ttl_and_says_what_happens() -> None:
+    assert largest_step_ttl(BUDGET + 1, 60) is None
+    assert largest_step_ttl(BUDGET, 10, trajectory_secs=10) is None  # not even 1 s left
+    note = step_note(60_000, 60)
+    assert "no TTL fits" in note and "529" in note
+    assert step_note(8192, 60, 600, 30).endswith("(too many: lower the TTL to 330 s or less).")
+    assert step_note(8192, 60, 300, 30).endswith("(fits).")
+    assert step_note(1024, 20) == "GRPO steps of 1,024 trajectories every 20 s: a TTL of at most 1020 s."
+
+
+@pytest.mark.parametrize(
+    ("workers", "prompts", "siblings", "setting"),
+    [
+        (32, 16, 8, "groups:4"),  # 2 groups per prompt fill 32 workers
+        (64, 8, 16, "groups:2"),
+        (8, 16, 8, "prompt"),  # more prompts than workers: one group per prompt
+        (8, 4, 8, "groups:4"),
+        (128, 16, 8, "attempt"),  # 8 workers per prompt: every sibling its own
+        (32, 32, 1, "attempt"),
+        (1024, 512, 16, "groups:8"),
+    ],
+)
+def test_siblings_setting(workers: int, prompts: int, siblings: int, setting: str) -> None:
+    assert siblings_setting(workers, prompts, siblings) == setting
+    size = sibling_group_size(workers, prompts, siblings)
+    groups = prompts * -(-siblings // size)
+    assert groups >= min(workers, prompts * siblings) or size == siblings  # the groups fill the fleet
+
+
+def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
+    assert siblings_note(64, 8, 16).startswith(
+        "64 workers, 8 prompts x 16 siblings: OTEL_SESSION_SIBLINGS=groups:2 (the default (groups:2) is"
+    )
+    idle = siblings_note(32, 4, 8)  # 16 default groups for 32 workers
+    assert "OTEL_SESSION_SIBLINGS=attempt" in idle and "makes 16 groups for 32 workers" in idle
+    assert "fills the fleet too" in siblings_note(32, 16, 8)
+    assert "kv routing alone measured a higher hit rate" in siblings_note(128, 64, 8)
+    assert "kv routing alone" not in siblings_note(64, 8, 16) + siblings_note(256, 256, 1)
+    assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
+
+
+@pytest.mark.slow
+def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callable[..., LocalDynamo]) -> None:
+    stack = local_dynamo_factory(
+        workers=8, workers_per_process=8, router_mode="round-robin", affinity_ttl_secs=60
+    )
+    assert len(set(stack.worker_ids)) == 8  # one process, eight workers, each its own instance
+    report = diagnose(stack.base_url, requests=3, batch=(2, 8))
+    line = next(c for c in report.checks if c.name == "sibling keying")
+    assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: OTEL_SESSION_SIBLINGS=groups:2 (")
+    assert "the bindings of 3,276 steps fit" in next(
+        c.detail for c in report.checks if c.name == "session table per step"
+    )
+    assert report.ok
+
+
+def test_the_step_rule_counts_whole_steps() -> None:
+    assert "the bindings of 6 steps fit" in step_rule(8192) and "within 6 step intervals" in step_rule(8192)
+    assert "no TTL fits" in step_rule(BUDGET + 1) and "529" in step_rule(BUDGET + 1)
+    assert "the bindings of 1 step fit" in step_rule(BUDGET) and "1 step interval " in step_rule(BUDGET)
