@@ -90,7 +90,8 @@ def cause(router: Router, seen: RouterEvidence) -> str:
             f"Dynamo raise --router-session-affinity-ttl-secs a little above the longest tool or "
             f'environment pause (within docs/integrations.md, "Capacity").'
         )
-    if seen.crossed_missed * 2 >= seen.missed and seen.crossed * 2 >= seen.judged:
+    later = max(seen.judged, seen.pairs)  # later turns judged by cache or by worker
+    if seen.crossed and seen.crossed * 2 >= later and seen.crossed_missed * 2 >= seen.missed:
         return (
             "Most of the sessions' turns alternated between addresses of this router kind (several "
             "frontends or replicas behind alternate base URLs), which keep their session tables apart: "

@@ -400,3 +400,13 @@ def test_requests_outside_trajectories_are_classified_only_once_a_meter_provider
     clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_worker_moves_at_one_address_are_not_blamed_on_alternate_addresses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _evidence.forget()
+    caplog.set_level(logging.WARNING, "otel_session")
+    _sessions(4, 4, lambda i, t, p: None, lambda i, t: t)  # no cache figures; a new worker every turn
+    [said] = _said(caplog, ALARM)
+    assert "alternated" not in said and "several frontends behind one address" in said

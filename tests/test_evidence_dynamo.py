@@ -201,3 +201,27 @@ def test_doctor_watch_reads_the_running_figures_without_a_probe(
     assert frontend.frontend_input > 0 and frontend.later_turns == 0
     assert frontend.verdict().startswith("(Dynamo's own figures only")
     assert "later turns 21" in out.getvalue()
+
+
+def test_two_1_3_frontends_behind_a_round_robin_nginx_are_named_and_the_hashed_recipe_is_silent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Dynamo 1.3.0.post1's frontends keep their session tables apart (tests/test_two_frontends.py):
+    behind a real nginx taking turns between them the sessions split and the warning fires; behind
+    the documented hash on X-Dynamo-Session-ID they stay whole and nothing is said."""
+    from benchmarks.frontends import measure, nginx_binary, two_frontends
+    from tests.dynamo_fixtures import dynamo_python_for
+
+    if nginx_binary() is None:
+        pytest.skip("nginx is not installed")
+    python = dynamo_python_for("1.3.0.post1")
+    workload = Workload(prompts=12, siblings=1, turns=4, prompt_words=200, turn_words=30)
+    with two_frontends(python, "random", replica_sync=False, workers=8) as stack:
+        hashed = measure(stack, hash_session=True, sessions=True, workload=workload, concurrency=3)
+        assert hashed.errors == 0 and hashed.pinned == 12
+        assert _alarms(caplog) == []
+        spread = measure(stack, hash_session=False, sessions=True, workload=workload, concurrency=3)
+    assert spread.errors == 0
+    alarms = _alarms(caplog)
+    assert len(alarms) == 1 and "moved to another worker" in alarms[0], alarms
+    assert "several frontends behind one address" in alarms[0]  # one address: not "alternated"
