@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 import otel_session
-from otel_session import _faults, _w3c
+from otel_session import _faults, _hop, _stock, _w3c
 from otel_session._context import HOP_KEY, with_session
 from otel_session._hop import Hop
 from otel_session._hosts import NOWHERE, Route
@@ -189,8 +189,11 @@ class FailingSetter(Setter[object]):
 
 @pytest.fixture
 def warnings(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    """otel-session's warnings from this test alone (each place reports once per process)."""
+    """otel-session's warnings from this test alone (each place reports once per process; the global
+    propagator counts as checked, so an earlier test's stock one is no warning of this test's)."""
     monkeypatch.setattr(_faults, "_reported", set())
+    monkeypatch.setattr(_stock, "_leaks_checked", get_global_textmap())
+    monkeypatch.setattr(_hop, "unconfigured_untold", False)  # said by whichever test ran first
     caplog.set_level(logging.WARNING, logger="otel_session")
     return caplog
 
