@@ -76,7 +76,10 @@ def router_for(scheme: str, host: str | None, port: int | None) -> Router | None
     settings = _settings.current
     if settings is None or not host:
         return None
-    profile = settings.rules.route(scheme, host, port).profile
+    try:
+        profile = settings.rules.route(scheme, host, port).profile
+    except Exception:  # reported once where the request was planned (the same rules): not twice
+        return None
     return None if profile is None else _metrics.router_of(profile, host, port)
 
 

@@ -45,7 +45,7 @@ class RouterEvidence:
             "worker_pairs": self.pairs,
             "worker_switches": self.switched,
             "turns_from_another_address": self.crossed,
-            "refused_529": self.refused,
+            "refused_full": self.refused,
             "error_answers": self.errors,
             "warnings": sorted(self.warned),
         }
@@ -129,12 +129,13 @@ def pause_that_breaks(gaps: list[tuple[float, bool]]) -> float | None:
 
 
 def table_full(router: Router, session: str) -> str:
-    """The one line for a 529: the table is full, and the rule that sizes it."""
+    """The one line for a 529: the table is full, and the rule that sizes it (its figures are in
+    docs/integrations.md, "Capacity", and ``otel-session doctor``)."""
     return (
         f"otel-session: {router[0]} router {origin(router)} answered 529 to a request of session {session}: "
         "its session-affinity table is full, so every new session is refused until bindings idle out "
-        "(Dynamo keeps at most 65,536, each until it has been idle for --router-session-affinity-ttl-secs). "
+        "(Dynamo keeps a fixed number, each until it has been idle for --router-session-affinity-ttl-secs). "
         "Bindings ~= new trajectories per second x TTL: set the TTL a little above the longest pause "
-        "inside a trajectory and at most 52,428 / (new trajectories per second); see "
-        'docs/integrations.md, "Capacity". Logged once per router per process.'
+        'inside a trajectory and within the table\'s budget; see docs/integrations.md, "Capacity", or '
+        "`otel-session doctor`. Logged once per router per process."
     )

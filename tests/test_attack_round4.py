@@ -116,6 +116,7 @@ def test_a_fork_child_leaving_the_trajectory_does_not_end_the_parents_session(dy
     block (``sys.exit`` in the child unwinds through it) the attempt is still the parent's: the
     child must not tell the router the session is over while the parent goes on using it."""
     otel_session.configure(routers={"vllm-router": [dynamo.authority]}, end_sessions=True)
+    parent = os.getpid()
     try:
         with otel_session.trajectory() as attempt:
             httpx.get(f"{dynamo.url}/v1/before", timeout=10)
@@ -123,11 +124,14 @@ def test_a_fork_child_leaving_the_trajectory_does_not_end_the_parents_session(dy
             if pid == 0:
                 httpx.get(f"{dynamo.url}/v1/in-child", timeout=10)
                 raise _ChildDone
-            os.waitpid(pid, 0)
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             finished_early = [s for s in dynamo.requests if s.path == "/finish_session"]
             httpx.get(f"{dynamo.url}/v1/after", timeout=10)
-    except _ChildDone:  # the child only: never back into pytest
-        os._exit(0)
+    except BaseException as exc:  # the child never goes back into pytest, whatever it raised
+        if os.getpid() != parent:
+            os._exit(0 if isinstance(exc, _ChildDone) else 1)
+        raise
+    assert status == 0
     assert finished_early == []
     in_child = [s.get("X-Session-ID") for s in dynamo.requests if s.path == "/v1/in-child"]
     assert in_child == [attempt.session_id]

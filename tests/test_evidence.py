@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -151,8 +154,10 @@ def test_a_full_table_is_named_once_with_the_ttl_rule_and_retries_are_counted(
     assert router.sessions == [attempt.session_id] * 3
     said = _said(caplog, TABLE_FULL)
     assert len(said) == 1
-    assert router.authority in said[0] and '"Capacity"' in said[0] and "65,536" in said[0]
-    assert "--router-session-affinity-ttl-secs" in said[0] and "52,428" in said[0]
+    assert (
+        router.authority in said[0] and '"Capacity"' in said[0] and "trajectories per second x TTL" in said[0]
+    )
+    assert "--router-session-affinity-ttl-secs" in said[0] and attempt.session_id in said[0]
     assert metric_delta(before, "otel_session.error_responses", http__response__status_code=529) == 3
     assert metric_delta(before, "otel_session.requests", otel_session__retry=True) == 2
     assert metric_delta(before, "otel_session.requests", otel_session__retry=False) == 1
@@ -160,7 +165,7 @@ def test_a_full_table_is_named_once_with_the_ttl_rule_and_retries_are_counted(
     with otel_session.trajectory(), pytest.raises(openai.APIStatusError):
         _ask_openai(router, retries=0)
     assert len(_said(caplog, TABLE_FULL)) == 1  # once per router per process
-    assert _evidence.summaries()[f"dynamo {router.authority}"]["refused_529"] == 4
+    assert _evidence.summaries()[f"dynamo {router.authority}"]["refused_full"] == 4
 
 
 @pytest.mark.parametrize("client", ["httpx", "httpx-async", "aiohttp", "openai-async"])
@@ -354,3 +359,44 @@ def test_switches_after_long_pauses_only_name_the_ttl() -> None:
     assert _verdicts.pause_that_breaks([(0.1, True), *gaps]) is None  # went wrong without a pause too
     assert _verdicts.pause_that_breaks([(0.1, False)] * 6 + [(0.4, True)] * 6) is None  # no real pause
     assert seen.summary()["warnings"] == []
+
+
+def test_turns_alternating_between_two_addresses_name_the_frontends(caplog: pytest.LogCaptureFixture) -> None:
+    _evidence.forget()
+    caplog.set_level(logging.WARNING, "otel_session")
+    other: _metrics.Router = ("dynamo", "127.0.0.1", 8001)
+    for turn in range(5):  # each session's turns go to 8000 and 8001 in turn; nothing cached there
+        for index in range(8):  # 16 later turns judged at each address
+            where = ROUTER if (turn + index) % 2 else other
+            _evidence.turn(f"a{index}", where, 200 + 100 * turn, 0, None)
+    said = _said(caplog, ALARM)  # one line per address, each naming the cause
+    assert len(said) == 2 and all("alternated between addresses" in line for line in said)
+    assert ":8000:" in said[0] + said[1] and ":8001:" in said[0] + said[1]
+    assert sum(_evidence.routers[r].crossed for r in (ROUTER, other)) == 32
+
+
+def test_a_404_is_no_error_answer_and_each_router_is_told_of_its_own_full_table(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _evidence.forget()
+    caplog.set_level(logging.WARNING, "otel_session")
+    _evidence.answered_status(404, "http", "127.0.0.1", 8000)
+    assert _evidence.routers == {}
+    _evidence.answered(ROUTER, "s", 529)
+    _evidence.answered(ROUTER, "s", 529)
+    _evidence.answered(("dynamo", "127.0.0.1", 8001), "s", 529)
+    assert len(_said(caplog, TABLE_FULL)) == 2
+
+
+def test_requests_outside_trajectories_are_classified_only_once_a_meter_provider_is_set() -> None:
+    code = (
+        "from otel_session import _metrics\n"
+        "from opentelemetry import metrics\n"
+        "from opentelemetry.sdk.metrics import MeterProvider\n"
+        "assert not _metrics.recording()\n"
+        "metrics.set_meter_provider(MeterProvider())\n"
+        "assert _metrics.recording()\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -35,6 +35,7 @@ import otel_session
 from otel_session import _evidence
 from otel_session.dynamo import _checks
 from otel_session.dynamo._library_log import each_warning_once
+from otel_session.dynamo.sizing import FULL_ANSWER
 
 if TYPE_CHECKING:  # imported when a run starts: a usage mistake is answered without loading them
     from otel_session.dynamo.workload import Summary, TrajectoryResult, Workload
@@ -313,8 +314,8 @@ def render_evidence(summaries: dict[str, dict[str, Any]], out: TextIO) -> None:
         warned = ", ".join(seen["warnings"]) or "none"
         out.write(
             f"  {router}: {seen['missed_turns']} of {seen['judged_turns']} later turns missed the cache, "
-            f"{seen['worker_switches']} of {seen['worker_pairs']} moved worker, {seen['refused_529']} "
-            f"answered 529; warnings: {warned}\n"
+            f"{seen['worker_switches']} of {seen['worker_pairs']} moved worker, {seen['refused_full']} "
+            f"answered {FULL_ANSWER}; warnings: {warned}\n"
         )
 
 

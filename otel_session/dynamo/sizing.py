@@ -26,8 +26,9 @@ TABLE_SIZE = 65_536
 HEADROOM = 0.8
 #: The bindings a run should plan for: 80 % of 65,536, rounded down (52,428).
 BUDGET = int(TABLE_SIZE * HEADROOM)
-#: What the frontend answers a new session once the table is full.
-FULL_ANSWER = "HTTP 529 Overloaded"
+#: What the frontend answers a new session once the table is full (the status, and as said).
+FULL_STATUS = 529
+FULL_ANSWER = f"HTTP {FULL_STATUS} Overloaded"
 #: The one statement of what a full table does (see the module docstring for how it is known).
 WHEN_FULL = (
     f'once the table is full, every request of a new session is refused with {FULL_ANSWER}, "Service '

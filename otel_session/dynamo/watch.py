@@ -5,8 +5,8 @@ already serves, and one line on what changed since the last. Two families are re
 endpoint has: otel-session's own metrics as the application exports them (``otel_session_*``, per
 router; the turn-level figures ``_verdicts`` judges, so the line says healthy or broken with the same
 thresholds as the in-process warning), and the Dynamo frontend's ``/metrics`` (cached and input
-tokens over every request, first turns included, and requests refused as overloaded: a 529 when the
-session table is full). What each means, and what healthy and broken look like: docs/tracing.md.
+tokens over every request, first turns included, and requests refused as overloaded, as a full
+session table answers). What each means, and what healthy and broken look like: docs/tracing.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from otel_session import _verdicts
+from otel_session.dynamo.sizing import FULL_ANSWER, FULL_STATUS
 
 Sample = dict[tuple[str, frozenset[tuple[str, str]]], float]
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -78,7 +79,7 @@ class Window:
             later_cached=delta(_names("otel_session_cached_tokens"), otel_session_turn="later"),
             worker_checks=delta(_names("otel_session_worker_checks")),
             switches=delta(_names("otel_session_worker_checks"), otel_session_worker_switched="true"),
-            refused=delta(_names("otel_session_error_responses"), http_response_status_code="529"),
+            refused=delta(_names("otel_session_error_responses"), http_response_status_code=str(FULL_STATUS)),
             frontend_input=delta(["dynamo_frontend_input_sequence_tokens_sum"]),
             frontend_cached=delta(["dynamo_frontend_cached_tokens_sum"]),
             frontend_refused=delta(["dynamo_frontend_requests_total"], error_type="overload"),
@@ -88,7 +89,7 @@ class Window:
         """healthy / broken / too little seen, for otel-session's own figures (the same thresholds as
         the warning the application logs); Dynamo's aggregate figures are reported, not judged."""
         if self.refused or self.frontend_refused:
-            return 'BROKEN: the session table is full (529s); see docs/integrations.md, "Capacity"'
+            return f'BROKEN: the session table is full ({FULL_ANSWER}); see docs/integrations.md, "Capacity"'
         if (
             self.worker_checks >= _verdicts.MIN_PAIRS
             and self.switches >= _verdicts.SWITCH_ALARM * self.worker_checks
@@ -112,7 +113,7 @@ class Window:
         if self.frontend_input:
             share = self.frontend_cached / self.frontend_input
             parts.append(f"frontend: {self.frontend_input:.0f} prompt tokens, {share:.0%} cached (all turns)")
-        parts.append(f"529s {self.refused + self.frontend_refused:.0f}")
+        parts.append(f"refused as overloaded {self.refused + self.frontend_refused:.0f}")
         return "; ".join(parts) + f" -> {self.verdict()}"
 
 
