@@ -504,3 +504,11 @@ def test_what_otel_session_wrote_earlier_in_the_hop_is_rewritten_parent_included
     assert plan(Route(DYNAMO), offer, held, callers_only=False, replaceable=only_session) == [
         ("X-Dynamo-Session-ID", "sess-1")
     ]
+
+
+def test_baggage_otel_session_wrote_earlier_in_the_hop_is_written_afresh() -> None:
+    """Not merged into: members of an earlier answer (another session's) must not stay."""
+    held = {"baggage": "session.id=old,tenant=stale"}
+    replaced = plan(TRUSTED, SESSION_ONLY, held, callers_only=False, replaceable=frozenset({BAGGAGE}))
+    assert replaced == [("baggage", "session.id=sess-1")]
+    assert plan(TRUSTED, SESSION_ONLY, held, callers_only=False) == []  # a caller's: kept as is
