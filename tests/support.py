@@ -215,12 +215,16 @@ def prometheus_url() -> str:
 
 
 def metric_points() -> dict[tuple[str, frozenset[tuple[str, Any]]], int]:
-    """Every sum the reader holds now: (metric name, its attributes) -> cumulative value."""
+    """Every sum of otel-session's the reader holds now: (metric name, its attributes) -> cumulative
+    value. Other libraries' instruments (an upstream instrumentation's duration histograms, once a
+    provider is set) are not ours to compare."""
     points: dict[tuple[str, frozenset[tuple[str, Any]]], int] = {}
     data = metrics_reader().get_metrics_data()
     for resource in data.resource_metrics if data is not None else ():
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
+                if not metric.name.startswith("otel_session."):
+                    continue
                 for point in metric.data.data_points:
                     points[(metric.name, frozenset(point.attributes.items()))] = point.value
     return points
