@@ -6,6 +6,8 @@ onward with a real client (httpx or aiohttp) to a recording Dynamo, and is reach
 
 from __future__ import annotations
 
+from collections import Counter
+
 import asyncio
 import logging
 import uuid
@@ -412,6 +414,38 @@ async def test_gym_cookie_session_is_adopted_from_the_first_turn(
             assert gym_id != traj.session_id
             episodes.append(gym_id)
     assert episodes[0] != episodes[1]
+
+
+async def test_gym_episodes_of_one_prompt_keep_their_groups_parent_beside_the_adopted_id(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/integrations.md, NeMo-Gym, Siblings: the driver opens ``trajectory(group=...)`` around each
+    episode; the model server adopts its own episode ID and keeps the group's parent beside it."""
+    monkeypatch.setenv("OTEL_SESSION_ADOPT", "session:session_id")
+    with AsgiServer(gym_style_app(dynamo, ours=False)) as gym:
+        otel_session.configure(
+            dynamo_hosts=[dynamo.authority], trusted_hosts=[gym.authority], servers=True, siblings="groups:2"
+        )
+        all_open = asyncio.Event()
+        opened: list[otel_session.trajectory] = []
+
+        async def episode(number: int) -> str:
+            async with httpx.AsyncClient(timeout=30) as agent, otel_session.trajectory(group="p") as traj:
+                opened.append(traj)
+                if len(opened) == 4:
+                    all_open.set()
+                await all_open.wait()
+                reply = (await agent.post(f"{gym.url}/v1/responses/g{number}")).json()
+                return str(reply["gym"])
+
+        gym_ids = await asyncio.gather(*(episode(n) for n in range(4)))
+    assert len(set(gym_ids)) == 4
+    for number, traj in enumerate(opened):
+        seen = _one(dynamo, f"g{number}")
+        assert seen.get(SESSION) in gym_ids  # the episode's own, adopted ID
+    parents = [_one(dynamo, f"g{n}").get("X-Dynamo-Parent-Session-ID") for n in range(4)]
+    assert None not in parents and sorted(Counter(parents).values()) == [2, 2]
+    assert set(parents) == {traj.parent_session_id for traj in opened}
 
 
 async def test_gym_cookie_session_in_the_wrong_place_warns_and_falls_back(
