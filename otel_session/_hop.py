@@ -92,7 +92,7 @@ class Plan:
     def delivered(self) -> None:
         """Record, where sessions are ended, that this hop took the session to its router (and count
         a request to a router host)."""
-        if self.route.profile is not None:
+        if self.route.profile is not None and _metrics.recording():  # no provider: nothing to count into
             _metrics.sent(self.route.profile, self.destination, self._offered.offer.session)
         note = self._note
         if note is not None:

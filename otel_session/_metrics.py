@@ -147,6 +147,8 @@ _STATES = {"started": {STATE: "started"}, "ended": {STATE: "ended"}}
 
 def trajectory(state: str, error: BaseException | None = None) -> None:
     """A trajectory attempt ``started`` or ``ended`` (with the exception that ended it, if any)."""
+    if not recording():
+        return
     if error is None:
         trajectories.add(1, _STATES[state])
     else:
