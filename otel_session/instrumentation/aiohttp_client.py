@@ -196,10 +196,8 @@ async def _started(starting: Any, response: Any) -> Any:
     started = await starting
     try:
         _watched.discard(response)
-        status = response.status
-        if status >= 500 or status == 429:
-            url = response.url
-            _evidence.answered_status(status, url.scheme, url.raw_host, url.port)
+        url = response.url
+        _evidence.answered_status(response.status, url.scheme, url.raw_host, url.port)
     except Exception as exc:  # evidence lost, never the response
         _faults.report("reading a response's status", exc)
     return started

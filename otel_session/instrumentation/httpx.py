@@ -308,7 +308,7 @@ def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
             sent = _at_transport(instance, request)
             args, kwargs = _with_request(args, kwargs, sent)
         response = wrapped(*args, **kwargs)
-    if sent is not request and response.status_code >= 429:  # an error answer to a hop of ours
+    if sent is not request and response.status_code >= 429:  # a hop of ours, maybe an error answer
         _answered(response, sent)
     return response
 
@@ -327,11 +327,10 @@ def _handle_async_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kw
 
 
 def _answered(response: Any, sent: Any) -> None:
-    """An error answer (429, 5xx) to a hop that carried something of ours goes to ``_evidence``."""
+    """The answer to a hop that carried something of ours goes to ``_evidence``, which decides which
+    statuses are error answers (429, 5xx)."""
     try:
-        status = response.status_code
-        if status >= 500 or status == 429:
-            _evidence.answered_status(status, *_destination(sent.url))
+        _evidence.answered_status(response.status_code, *_destination(sent.url))
     except Exception as exc:  # evidence lost, never the response
         _faults.report("reading a response's status", exc)
 
