@@ -19,6 +19,9 @@ PARENT_KEY = "session.parent_id"
 # headers they added), so a propagator called inside the hop by an upstream instrumentation knows
 # exactly where the request goes. Without it a destination is unknown and receives nothing.
 HOP_KEY = create_key("otel_session.hop")
+# Set by ``trajectory()`` for an attempt with no group or parent given: ``_siblings.Inferred``, the
+# group its first request to a router decides (and the parent it then names), for every request of it.
+SIBLINGS_KEY = create_key("otel_session.siblings")
 # Set by ``trajectory()`` when sessions are ended: a set the client instrumentors add
 # ``(profile name, scheme, host, port)`` to for every router they delivered the session to.
 ROUTER_VISITS_KEY = create_key("otel_session.router_visits")

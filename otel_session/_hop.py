@@ -20,8 +20,8 @@ from typing import NamedTuple
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context, get_current
 
-from otel_session import _faults, _metrics, _settings, _w3c
-from otel_session._context import ROUTER_VISITS_KEY, session_ids
+from otel_session import _faults, _metrics, _prompts, _settings, _siblings, _w3c
+from otel_session._context import ROUTER_VISITS_KEY, SIBLINGS_KEY, session_ids
 from otel_session._hosts import NOWHERE, Route, canonical_origin
 from otel_session._policy import Edit, Offer, names_for, plan
 from otel_session._session_end import Visit
@@ -102,12 +102,14 @@ class Plan:
 class Offered:
     """What one context offers a request under one configuration, and the plans made from it."""
 
-    __slots__ = ("_plans", "context", "offer", "offers", "settings", "watched")
+    __slots__ = ("_plans", "context", "offer", "offers", "settings", "undecided", "watched")
 
     def __init__(self, settings: _settings.Settings, context: Context, offer: Offer) -> None:
         self.settings = settings
         self.context = context
         self.offer = offer
+        # the attempt's group, still to be read from its first request to a router (``decide``)
+        self.undecided = _undecided(context) if offer.parent is None and offer.session is not None else None
         # tracing is on or a span is current: an upstream instrumentation may inject later in the hop
         self.watched = settings.tracing or offer.traceparent is not None
         self.offers = offer.session is not None or bool(offer.baggage) or self.watched
@@ -125,6 +127,34 @@ class Offered:
                 outside(scheme, host, port)
             found = Plan(self, route, destination, plan(route, self.offer, {}) if route else [])
             self._plans[destination] = found
+        return found
+
+    def decide(self, body: bytes | bytearray | memoryview | str | None) -> Offered:
+        """The first request to a router of an attempt with no group given, whose serialized body is
+        ``body`` (``None``: not readable cheaply): its prompt decides the attempt's group and parent,
+        kept for every later request; what the context offers from now on."""
+        holder = self.undecided
+        if holder is None:
+            return self
+        parent = holder.decide(_prompts.key_of(body))
+        return self.decided(parent)
+
+    def decide_data(self, data: object) -> Offered:
+        """``decide`` for a body the client holds parsed (aiohttp's ``json=``)."""
+        holder = self.undecided
+        if holder is None:
+            return self
+        return self.decided(holder.decide(_prompts.key_of_data(data)))
+
+    def decided(self, parent: str | None) -> Offered:
+        """What the context offers once its attempt's parent is known (remembered in its place)."""
+        global _last
+        offer = self.offer
+        if parent is not None:
+            offer = offer._replace(parent=parent)  # the router's header: baggage stays as the context says
+        found = Offered(self.settings, self.context, offer)
+        if _last is self:
+            _last = found
         return found
 
     def note(
@@ -147,7 +177,17 @@ class Offered:
 def offer_for(ctx: Context, tracing: bool) -> Offer:
     """What ``ctx`` offers a request, with tracing on or off."""
     session, parent = session_ids(ctx)
+    if parent is None and session is not None:
+        holder = ctx.get(SIBLINGS_KEY)
+        if isinstance(holder, _siblings.Inferred):
+            parent = holder.parent  # decided by the attempt's first request to a router (header only)
     return Offer(session, parent, baggage.get_all(ctx), _passed_on(trace.get_current_span(ctx), tracing))
+
+
+def _undecided(ctx: Context) -> _siblings.Inferred | None:
+    """The group of ``ctx``'s attempt, if its first request to a router is still to decide it."""
+    holder = ctx.get(SIBLINGS_KEY)
+    return holder if isinstance(holder, _siblings.Inferred) and not holder.decided else None
 
 
 def _passed_on(span: trace.Span, tracing: bool) -> str | None:

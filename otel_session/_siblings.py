@@ -5,7 +5,9 @@ parent (Dynamo's ``X-Dynamo-Parent-Session-ID``), which makes the router place t
 siblings under one parent share the prompt's cache on one worker but crowd it; each on its own
 spreads them and recomputes the shared prompt on every worker. ``groups:K`` puts each K siblings
 open at once under a parent of their own: the measured middle (docs/performance.md, "At fleet
-scale"). A group is known only while one of its attempts is open, so nothing here outlives a step.
+scale"). A group is named by the caller (``trajectory(group=...)``) or, where it names none, by the
+prompt of the attempt's first request to a router (``Inferred``, keyed by ``_prompts``). A group is
+known only while one of its attempts is open, so nothing here outlives a step.
 """
 
 from __future__ import annotations
@@ -85,6 +87,42 @@ def leave(key: Hashable) -> None:
             group.open -= 1
             if group.open <= 0:
                 del _groups[key]
+
+
+class Inferred:
+    """One attempt's group, still to be read from its first request to a router (``trajectory()``
+    without ``group=``): decided once, by that request's prompt, then the same for every later request
+    of the attempt, and left as the attempt ends."""
+
+    __slots__ = ("decided", "key", "parent", "policy")
+
+    def __init__(self, policy: Siblings) -> None:
+        self.policy = policy
+        self.decided = False
+        self.key: Hashable | None = None  # the group joined, while the attempt is open in it
+        self.parent: str | None = None
+
+    def decide(self, key: Hashable | None) -> str | None:
+        """The attempt's parent: joined under ``key`` (``None``: no group, no parent) by the first
+        request to decide, kept for every later one."""
+        with _decide_lock:
+            if not self.decided:
+                self.decided = True
+                if key is not None:
+                    self.parent = join(key, self.policy)
+                    self.key = key if self.parent is not None else None
+            return self.parent
+
+    def release(self) -> None:
+        """The attempt ended: its group forgets it (the group itself once its last attempt ends)."""
+        with _decide_lock:
+            key, self.key = self.key, None
+            self.decided = True  # a request sent after the end (a straggler) joins nothing
+        if key is not None:
+            leave(key)
+
+
+_decide_lock = threading.Lock()
 
 
 def open_groups() -> int:

@@ -30,7 +30,13 @@ from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
-from otel_session._context import ROUTER_VISITS_KEY, SESSION_ATTRIBUTE, session_ids, with_session
+from otel_session._context import (
+    ROUTER_VISITS_KEY,
+    SESSION_ATTRIBUTE,
+    SIBLINGS_KEY,
+    session_ids,
+    with_session,
+)
 from otel_session._ids import check_session_id, new_session_id
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -85,6 +91,7 @@ class trajectory(metaclass=_TrajectoryType):
             ) from None
         self._group = group
         self._joined: Hashable | None = None  # the group this attempt is open in, while it is
+        self._inferred: _siblings.Inferred | None = None  # its group, read from its first request
         self._name = name
         self._attributes: dict[str, AttributeValue] = dict(attributes or {})
         for key, value in (
@@ -139,6 +146,14 @@ class trajectory(metaclass=_TrajectoryType):
             parent = _siblings.join(self._group, settings.siblings)  # an enclosing trajectory wins
             self._joined = self._group if parent is not None else None
         ctx = with_session(session, parent, current)
+        if not reentered:  # a re-entered session is the same attempt: it keeps the group it has
+            inferred = None  # with no group given, its first request to a router names the group
+            policy = settings.siblings if settings is not None else _siblings.Siblings(None)
+            if parent is None and self._group is None and policy.size is not None:
+                inferred = _siblings.Inferred(policy)
+            if inferred is not None or current.get(SIBLINGS_KEY) is not None:
+                ctx = otel_context.set_value(SIBLINGS_KEY, inferred, ctx)
+            self._inferred = inferred
         # A re-entered session is ended by the trajectory that opened it: it keeps that one's set.
         visits = None if reentered else _session_end.new_visits()
         if visits is not None:
@@ -200,6 +215,9 @@ class trajectory(metaclass=_TrajectoryType):
         if self._joined is not None:
             _siblings.leave(self._joined)
             self._joined = None
+        if self._inferred is not None:
+            self._inferred.release()
+            self._inferred = None
         if self._pid != os.getpid():
             span, visits = None, None
         try:

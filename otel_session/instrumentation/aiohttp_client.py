@@ -87,6 +87,17 @@ def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
 _Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
 
 
+def _decided(offered: _hop.Offered, instance: Any) -> _hop.Offered:
+    """What the context offers once this request, an attempt's first to a router, decided the
+    attempt's group from the prompt in its body: one held in memory (``json=``, ``data=`` bytes or
+    text) is read; a stream, a file or a form never is, and names no group."""
+    body = instance.body
+    if isinstance(body, (bytes, bytearray)):
+        return offered.decide(body)
+    value = getattr(body, "_value", None) if isinstance(body, _BYTES_PAYLOADS) else None
+    return offered.decide(value if isinstance(value, (bytes, bytearray)) else None)
+
+
 def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Planned | None:
     """(the caller's headers, whether ``instance`` holds another send's copy of them, the plan, what
     the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do."""
@@ -110,6 +121,8 @@ def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _P
                 plan = offered.plan("unix", None, None)
             else:
                 plan = offered.plan(url.scheme, url.raw_host, url.port)
+                if offered.undecided is not None and plan.route.profile is not None:
+                    plan = _decided(offered, instance).plan(url.scheme, url.raw_host, url.port)
             # aiohttp's own instrumentation injects before this, with no destination: under a stock
             # propagator composed with ours, what it copied is taken back here, where the hop is known.
             sole = _propagator.is_sole_global()
@@ -262,6 +275,9 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
     upstream = ("opentelemetry.instrumentation.aiohttp_client", "AioHttpClientInstrumentor")
 
     def targets(self, module: ModuleType) -> list[tuple[Any, str, Wrapper]]:
+        global _BYTES_PAYLOADS
+        kind = getattr(getattr(module, "payload", None), "BytesPayload", None)
+        _BYTES_PAYLOADS = (kind,) if isinstance(kind, type) else ()
         return [
             (module.ClientRequest, "send", _send),
             (module.ClientResponse, "start", _start),
@@ -270,3 +286,7 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
 
 
 _INSTRUMENTOR = AioHttpSessionInstrumentor()
+# aiohttp's payloads that hold their body in memory as bytes (``json=``, ``data=`` bytes or text):
+# read for an attempt's group; any other payload (a stream, a file, a form) never is.
+# Found as aiohttp is instrumented.
+_BYTES_PAYLOADS: tuple[type, ...] = ()

@@ -184,6 +184,19 @@ def _planned(offered: _hop.Offered, headers: Any, destination: _hop.Destination)
     return plan, held
 
 
+def _decided(offered: _hop.Offered, request: Any, destination: _hop.Destination) -> _hop.Offered:
+    """What the context offers once a request to a router decided its attempt's group from the
+    prompt in ``request``'s body: one given in full (``content=``, ``json=``, ``data=``, as the openai
+    SDK sends) is read; a streamed body never is, and names no group. Another host decides nothing."""
+    if offered.plan(*destination).route.profile is None:
+        return offered
+    try:
+        body = request.content  # httpx's own check: a body not read in full (a stream) raises
+    except Exception:
+        body = None
+    return offered.decide(body if isinstance(body, (bytes, bytearray)) else None)
+
+
 def _at_transport(transport: Any, request: Any) -> Any:
     """What httpx's own transport sends for ``request``: planned here, for the URL it dials (nothing
     over a Unix socket), unless a transport above planned it (then planned again only if that
@@ -201,6 +214,8 @@ def _at_transport(transport: Any, request: Any) -> Any:
                 _metrics.outside(*_destination(request.url))
             return request  # nothing to add from this context
         destination = _where(transport, request)
+        if offered.undecided is not None:  # an attempt's first request: its group is still to read
+            offered = _decided(offered, request, destination)
         plan, held = _planned(offered, request.headers, destination)
         if not plan.edits:
             return request
@@ -270,6 +285,8 @@ def _begin_elsewhere(request: Any) -> tuple[Any, tuple[Any, _hop.Destination, An
         if offered is None:
             return None
         destination = _destination(request.url)
+        if offered.undecided is not None:
+            offered = _decided(offered, request, destination)
         plan, held = _planned(offered, request.headers, destination)
         if not plan.edits:
             return None  # the caller's own object, as it is: any transport it reaches plans it afresh
