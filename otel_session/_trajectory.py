@@ -107,7 +107,16 @@ class trajectory(metaclass=_TrajectoryType):
         self._context: Context | None = None
         self._pid = 0  # the process that began the attempt, the one that ends it
         self.session_id: str | None = None
-        self.parent_session_id: str | None = None
+        self._parent: str | None = None
+
+    @property
+    def parent_session_id(self) -> str | None:
+        """The parent session its requests to a router name: the enclosing trajectory's, its group's,
+        or, with no group given, the one its first request to a router decided (``None`` until then)."""
+        inferred = self._inferred
+        if self._parent is None and inferred is not None:
+            return inferred.parent
+        return self._parent
 
     @property
     def span(self) -> Span:
@@ -164,7 +173,7 @@ class trajectory(metaclass=_TrajectoryType):
         span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
         self._span = span
         self._visits = visits
-        self.session_id, self.parent_session_id = session, parent
+        self.session_id, self._parent = session, parent
         ctx = trace.set_span_in_context(span, ctx)
         _hop.entered(ctx, session, parent, span)
         _metrics.trajectory("started")
@@ -216,6 +225,9 @@ class trajectory(metaclass=_TrajectoryType):
             _siblings.leave(self._joined)
             self._joined = None
         if self._inferred is not None:
+            self._parent = self._parent or self._inferred.parent  # the session's end names it too
+            if self._parent is not None and span is not None and span.is_recording():
+                span.set_attribute("otel_session.parent_session_id", self._parent)
             self._inferred.release()
             self._inferred = None
         if self._pid != os.getpid():

@@ -267,3 +267,17 @@ def test_an_aiohttp_body_that_cannot_be_read_cheaply_names_no_group(
         asyncio.run(step())
     assert [s.get(PARENT_SESSION_HEADER) for s in dynamo.requests] == [None, None]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_the_attempt_names_the_parent_its_first_request_decided(dynamo: Recorder) -> None:
+    """``trajectory.parent_session_id`` is the decided parent once the first request to a router
+    went (and stays after the attempt: the session's end notice is sent with it)."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="prompt")
+    body = {"model": "m", "messages": _chat("p")}
+    with otel_session.trajectory() as attempt, httpx.Client(timeout=10) as client:
+        assert attempt.parent_session_id is None  # nothing sent yet: nothing decided
+        client.post(f"{dynamo.url}/v1/chat/completions", json=body)
+        during = attempt.parent_session_id
+    (seen,) = dynamo.requests
+    assert during is not None and seen.get(PARENT_SESSION_HEADER) == during
+    assert attempt.parent_session_id == during and open_groups() == 0
