@@ -83,9 +83,12 @@ def router_for(scheme: str, host: str | None, port: int | None) -> Router | None
     return None if profile is None else _metrics.router_of(profile, host, port)
 
 
-def parsed(data: object, scheme: str, host: str | None, port: int | None) -> None:
+def parsed(
+    data: object, scheme: str, host: str | None, port: int | None, latency: float | None = None
+) -> None:
     """The application parsed ``data`` from a response it received from this origin: a turn of the
-    current context's session if it carries usage (or, in a stream, a chunk naming the worker)."""
+    current context's session if it carries usage (or, in a stream, a chunk naming the worker);
+    ``latency``: seconds from sending the request to its whole answer, where the client measured it."""
     if not isinstance(data, Mapping) or ("usage" not in data and "nvext" not in data):
         return
     session = session_ids(get_current())[0]
@@ -103,10 +106,17 @@ def parsed(data: object, scheme: str, host: str | None, port: int | None) -> Non
                     _pending_worker.clear()
                 _pending_worker[session] = worker
         return
-    turn(session, router, usage[0], usage[1], worker)
+    turn(session, router, usage[0], usage[1], worker, latency)
 
 
-def turn(session: str, router: Router, prompt: int, cached: int | None, worker: int | None) -> None:
+def turn(
+    session: str,
+    router: Router,
+    prompt: int,
+    cached: int | None,
+    worker: int | None,
+    latency: float | None = None,
+) -> None:
     """One turn of ``session`` answered by ``router``: counted, compared with the previous one, judged."""
     now = time.monotonic()
     with _lock:
@@ -138,6 +148,12 @@ def turn(session: str, router: Router, prompt: int, cached: int | None, worker: 
         if (missed is not None or switched is not None) and len(seen.gaps) < _verdicts.GAPS_KEPT:
             seen.gaps.append((now - last.ended, bool(missed or switched)))
         message = _verdicts.verdict(router, seen)
+        crowded = None
+        if worker is not None:
+            look = seen.fleet.turn(key, worker, latency, now)
+            if look is not None and message is None:
+                message = _verdicts.crowding(router, seen, look, _siblings_policy())
+            crowded = worker in seen.fleet.crowded
     attributes = {**_metrics.router_attributes(router), _metrics.TURN: "later" if later else "first"}
     _metrics.turns.add(1, attributes)
     if cached is not None:
@@ -145,8 +161,15 @@ def turn(session: str, router: Router, prompt: int, cached: int | None, worker: 
         _metrics.cached_tokens.add(cached, attributes)
     if switched is not None:
         _metrics.worker_checks.add(1, {**_metrics.router_attributes(router), _metrics.SWITCHED: switched})
+    if crowded is not None:
+        _metrics.crowded_turns.add(1, {**_metrics.router_attributes(router), _metrics.CROWDED: crowded})
     if message is not None:
         _faults.warn("%s", message)
+
+
+def _siblings_policy() -> str:
+    settings = _settings.current
+    return str(settings.siblings) if settings is not None else "groups:2"
 
 
 def answered(router: Router, session: str, status: int) -> None:

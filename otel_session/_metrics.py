@@ -24,6 +24,7 @@ RETRY = "otel_session.retry"
 TURN = "otel_session.turn"
 SWITCHED = "otel_session.worker.switched"
 STATE = "otel_session.trajectory.state"
+CROWDED = "otel_session.worker.crowded"
 
 Router = tuple[str, str, int | None]  # (profile name, host, port): one router as the client dials it
 
@@ -63,6 +64,12 @@ worker_checks = _meter.create_counter(
     "otel_session.worker_checks",
     unit="{turn}",
     description="Turns of a session whose worker and the previous turn's worker are both known.",
+)
+
+crowded_turns = _meter.create_counter(
+    "otel_session.worker_crowding",
+    unit="{turn}",
+    description="Turns whose worker is known, by whether that worker was crowded with pinned sessions.",
 )
 
 Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them

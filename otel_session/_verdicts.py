@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_session import _crowding
 from otel_session._metrics import Router
 
 MISS_SLACK = 64  # a later turn "missed" when more than this many of the previous prompt's tokens were
@@ -36,6 +37,7 @@ class RouterEvidence:
     # (pause before it, whether it missed or switched) for each later turn judged by cache or worker
     gaps: list[tuple[float, bool]] = field(default_factory=list)
     warned: set[str] = field(default_factory=set)
+    fleet: _crowding.Fleet = field(default_factory=_crowding.Fleet)  # its workers, for crowding
 
     def summary(self) -> dict[str, Any]:
         """The figures a person reads (``otel-session`` prints them beside its verdict)."""
@@ -47,6 +49,8 @@ class RouterEvidence:
             "turns_from_another_address": self.crossed,
             "refused_full": self.refused,
             "error_answers": self.errors,
+            "workers_seen": len(self.fleet.workers),
+            "crowded_workers": sorted(self.fleet.crowded),
             "warnings": sorted(self.warned),
         }
 
@@ -77,6 +81,41 @@ def verdict(router: Router, seen: RouterEvidence) -> str | None:
     return (
         f"otel-session: session affinity is not holding at {router[0]} router {origin(router)}: "
         f"{'; '.join(found)}. {cause(router, seen)} Logged once per router per process."
+    )
+
+
+def crowding(router: Router, seen: RouterEvidence, look: _crowding.Look, siblings: str) -> str | None:
+    """The one line saying pinning costs step time at ``router``: sessions held by affinity crowd a
+    few workers while others idle, the first time a look shows it (called under ``_lock``); ``None``
+    otherwise, and always while affinity is not holding (then nothing is pinned)."""
+    if "crowded" in seen.warned or not _crowding.costs_step_time(look):
+        return None
+    if seen.pairs < MIN_PAIRS or seen.switched >= SWITCH_ALARM * seen.pairs:
+        return None  # sessions move between workers: the crowding is not pinning's
+    seen.warned.add("crowded")
+    workers = ", ".join(f"{worker} ({held} sessions)" for worker, held in sorted(look.crowded.items())[:4])
+    idle = f"{look.idle} of the {look.workers} workers seen served none" if look.idle else ""
+    if look.slow is not None and look.fast is not None:
+        timing = f"turns there took {look.slow * 1000:.0f} ms (median), {look.fast * 1000:.0f} ms elsewhere"
+        idle = f"{idle}; {timing}" if idle else timing
+    if siblings == "prompt" or (siblings.startswith("groups:") and int(siblings[7:]) > 2):
+        fix = (
+            f"siblings={siblings!r} puts many siblings under one parent, which the router binds to one "
+            "worker: use the default, configure(siblings='groups:2') (OTEL_SESSION_SIBLINGS), or "
+            "'attempt'"
+        )
+    else:
+        fix = (
+            "on a single kv-routing frontend, which sees every worker's cache, drop session affinity "
+            "(start it without --router-session-affinity-ttl-secs) or use "
+            "--router-session-affinity-mode soft, so a crowded worker's sessions may move; behind several "
+            "frontends keep affinity and spread groups (configure(siblings='attempt'))"
+        )
+    return (
+        f"otel-session: pinning costs step time at {router[0]} router {origin(router)}: in the last "
+        f"{_crowding.WINDOW:.0f} s, sessions pinned by affinity crowded worker(s) {workers} while "
+        f"{idle or 'others had few'}; a GRPO step waits for its slowest trajectory. Fix: {fix}. "
+        "Logged once per router per process."
     )
 
 

@@ -4,7 +4,8 @@ Every object the SDK builds from a response, a whole completion or one streamed 
 ``BaseClient._process_response_data(data=..., cast_to=..., response=...)`` with the JSON the SDK has
 just decoded. The hook calls it at once and then reads two fields of that same JSON (``usage`` and
 Dynamo's ``nvext``) for ``_evidence``: no request, no body read the application did not ask for, and
-the object returned is the SDK's own. A stream gives its usage in its last chunk only when the request
+the object returned is the SDK's own. A whole answer's latency (httpx's ``elapsed``) goes with it, for
+the crowding evidence (``_crowding``). A stream gives its usage in its last chunk only when the request
 asked for it (``stream_options={"include_usage": True}``); without it no turn of that stream is seen.
 """
 
@@ -23,11 +24,21 @@ def _process_response_data(wrapped: Any, instance: Any, args: tuple[Any, ...], k
     data = kwargs.get("data")
     if isinstance(data, dict) and ("usage" in data or "nvext" in data) and _INSTRUMENTOR.active:
         try:
-            url = kwargs["response"].request.url
-            _evidence.parsed(data, url.scheme, url.host, url.port)
+            response = kwargs["response"]
+            url = response.request.url
+            _evidence.parsed(data, url.scheme, url.host, url.port, _latency(response))
         except Exception as exc:  # a response we cannot read is evidence lost, never an error
             _faults.report("reading the usage of an openai response", exc)
     return result
+
+
+def _latency(response: Any) -> float | None:
+    """Seconds from sending the request to its whole answer, as httpx measured it (``None`` for a
+    stream still open: its chunks are parsed before httpx knows)."""
+    try:
+        return float(response.elapsed.total_seconds())
+    except Exception:  # httpx raises until the response is closed
+        return None
 
 
 class OpenAIResponsesInstrumentor(SessionInstrumentor):
