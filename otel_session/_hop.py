@@ -136,15 +136,7 @@ class Offered:
         holder = self.undecided
         if holder is None:
             return self
-        parent = holder.decide(_prompts.key_of(body))
-        return self.decided(parent)
-
-    def decide_data(self, data: object) -> Offered:
-        """``decide`` for a body the client holds parsed (aiohttp's ``json=``)."""
-        holder = self.undecided
-        if holder is None:
-            return self
-        return self.decided(holder.decide(_prompts.key_of_data(data)))
+        return self.decided(holder.decide(_prompts.key_of(body)))
 
     def decided(self, parent: str | None) -> Offered:
         """What the context offers once its attempt's parent is known (remembered in its place)."""
