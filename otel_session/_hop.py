@@ -141,9 +141,10 @@ class Offered:
     def decided(self, parent: str | None) -> Offered:
         """What the context offers once its attempt's parent is known (remembered in its place)."""
         global _last
-        offer = self.offer
-        if parent is not None:
-            offer = offer._replace(parent=parent)  # the router's header: baggage stays as the context says
+        if parent is None:  # no group: this offer holds as it is, and its plans made so far too
+            self.undecided = None
+            return self
+        offer = self.offer._replace(parent=parent)  # the router's header: baggage stays as the context says
         found = Offered(self.settings, self.context, offer)
         if _last is self:
             _last = found
