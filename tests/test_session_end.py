@@ -219,10 +219,15 @@ def test_dynamo_gets_one_minimal_final_request_per_session_with_its_parent(fleet
         inner.session_id,
         outer.session_id,
     )
+    # the outer's parent is its prompt's group, decided by its first request (issue 33, item 5): its
+    # end names the same parent as every request of it
+    assert outer.parent_session_id is not None
     assert (second.get("x-dynamo-session-id"), second.get("x-dynamo-parent-session-id")) == (
         outer.session_id,
-        None,
+        outer.parent_session_id,
     )
+    outers = [s for s in frontend.completions() if s.get("x-dynamo-session-id") == outer.session_id]
+    assert {s.get("x-dynamo-parent-session-id") for s in outers} == {outer.parent_session_id}
     for final in finals:
         assert final.get("x-dynamo-session-final") == "true"
         assert final.path == "/v1/chat/completions"
@@ -371,6 +376,8 @@ def test_the_stock_dynamo_router_runs_the_terminal_request_and_keeps_the_binding
         assert len(set(served)) == 1 and served[0] is not None
         otel_session.unconfigure()
         headers = {"X-Dynamo-Session-ID": traj.session_id or ""}
+        if traj.parent_session_id is not None:  # its prompt's group (issue 33, item 5): Dynamo binds that
+            headers["X-Dynamo-Parent-Session-ID"] = traj.parent_session_id
         after = [
             worker_id_of(client.post("/chat/completions", json=body, headers=headers).json())
             for _ in range(3)
