@@ -1,0 +1,171 @@
+"""Availability over affinity: a session its router refuses for want of room goes on unpinned.
+
+The router here is a stand-in for a Dynamo 1.6.1 frontend whose affinity table is full: it answers a
+request carrying ``X-Dynamo-Session-ID`` with Dynamo's own 529 body (as ``benchmarks/capacity.py``
+recorded it from the real frontend, ``benchmarks/results/capacity-hard.json``) and serves one
+without it, which is what the real frontend does then. The real table holds 65,536 bindings,
+compiled in with no flag to shrink it, and takes minutes to fill on this machine, so a test cannot
+fill it. The clients are real: the openai SDK with its own retries, and an aiohttp loop of three
+attempts like NeMo-RL's ``DynamoGeneration._post_completion_request``; otel-session sends nothing of
+its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+import otel_session
+from otel_session import _evidence, _hop
+from tests.gym_servers import AiohttpServer
+from tests.support import metric_delta, metric_points, metrics_reader
+
+FULL_TABLE = '{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'  # Dynamo 1.6.1
+WARNING = "answered 529"
+MESSAGES: Any = [{"role": "user", "content": "hi"}]
+COMPLETION = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+}
+
+
+class FullTable:
+    """A frontend whose affinity table is full: 529 to a session, 200 to a request without one."""
+
+    def __init__(self) -> None:
+        self.sessions: list[str | None] = []
+        self.server: AiohttpServer | None = None
+
+    async def chat(self, request: web.Request) -> web.Response:
+        await request.read()
+        session = request.headers.get("x-dynamo-session-id")
+        self.sessions.append(session)
+        if session is not None:
+            return web.Response(status=529, text=FULL_TABLE, content_type="application/json")
+        return web.json_response(COMPLETION)
+
+    @property
+    def base_url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.port}/v1"
+
+
+@pytest.fixture
+def frontend(caplog: pytest.LogCaptureFixture) -> Iterator[FullTable]:
+    metrics_reader()
+    _evidence.forget()
+    caplog.set_level(logging.WARNING, "otel_session")
+    served = FullTable()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", served.chat)
+    with AiohttpServer(app) as server:
+        served.server = server
+        otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"])
+        yield served
+    _evidence.forget()
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if WARNING in r.getMessage()]
+
+
+def _ask_openai(frontend: FullTable, retries: int = 2) -> Any:
+    client = openai.OpenAI(base_url=frontend.base_url, api_key="unused", max_retries=retries)
+    try:
+        return client.chat.completions.create(model="m", messages=MESSAGES)
+    finally:
+        client.close()
+
+
+async def _post_completion_request(frontend: FullTable) -> dict[str, Any]:
+    """NeMo-RL's loop: three attempts, retrying 408, 429 and 5xx, a new session per call."""
+    last = ""
+    for _ in range(3):
+        async with aiohttp.ClientSession() as session:
+            url = f"{frontend.base_url}/chat/completions"
+            async with session.post(url, json={"model": "m", "messages": MESSAGES}) as reply:
+                if reply.status in (408, 429) or reply.status >= 500:
+                    last = f"{reply.status} {await reply.text()}"
+                    await asyncio.sleep(0.01)
+                    continue
+                data: dict[str, Any] = await reply.json()
+                return data
+    raise RuntimeError(f"3 attempts failed: {last}")
+
+
+def test_the_openai_sdk_retry_goes_unpinned_and_succeeds(
+    frontend: FullTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = metric_points()
+    with otel_session.trajectory() as attempt:
+        answer = _ask_openai(frontend)
+        assert answer.choices[0].message.content == "hi"
+        assert frontend.sessions == [attempt.session_id, None]  # the SDK's own retry, without the pin
+        _ask_openai(frontend, retries=0)  # the rest of the attempt stays unpinned: no 529 again
+    assert frontend.sessions[2:] == [None]
+    said = _said(caplog)
+    assert len(said) == 1
+    assert "without the pin" in said[0] and "65,536" in said[0] and "per second x TTL" in said[0]
+    assert "OTEL_SESSION_STRICT_AFFINITY" in said[0]
+    assert metric_delta(before, "otel_session.unpinned_sessions") == 1
+    with otel_session.trajectory() as second:  # a new attempt asks for a binding again
+        _ask_openai(frontend)
+    assert frontend.sessions[3:] == [second.session_id, None]
+    assert len(_said(caplog)) == 1  # one line per router per process
+    assert metric_delta(before, "otel_session.unpinned_sessions") == 2
+
+
+def test_an_aiohttp_retry_loop_goes_unpinned_and_succeeds(frontend: FullTable) -> None:
+    async def rollout() -> tuple[str, dict[str, Any]]:
+        async with otel_session.trajectory() as attempt:
+            return attempt.session_id, await _post_completion_request(frontend)
+
+    session, answer = asyncio.run(rollout())
+    assert answer["choices"][0]["message"]["content"] == "hi"
+    assert frontend.sessions == [session, None]
+
+
+@pytest.mark.parametrize("how", ["argument", "variable"])
+def test_strict_affinity_keeps_the_error(
+    frontend: FullTable, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    before = metric_points()
+    if how == "argument":
+        otel_session.configure(dynamo_hosts=[frontend.base_url.split("/")[2]], strict_affinity=True)
+    else:
+        monkeypatch.setenv("OTEL_SESSION_STRICT_AFFINITY", "true")
+        otel_session.configure(dynamo_hosts=[frontend.base_url.split("/")[2]])
+    with otel_session.trajectory() as attempt, pytest.raises(openai.APIStatusError) as raised:
+        _ask_openai(frontend)
+    assert raised.value.status_code == 529
+    assert frontend.sessions == [attempt.session_id] * 3
+    with pytest.raises(RuntimeError, match="529"):
+        asyncio.run(_strict_aiohttp(frontend))
+    said = _said(caplog)
+    assert len(said) == 1 and "keeps such sessions pinned" in said[0]
+    assert metric_delta(before, "otel_session.unpinned_sessions") == 0
+
+
+async def _strict_aiohttp(frontend: FullTable) -> None:
+    async with otel_session.trajectory():
+        await _post_completion_request(frontend)
+
+
+def test_unpinned_sessions_are_bounded() -> None:
+    _hop.unpinned.clear()
+    for index in range(_hop.UNPINNED_KEPT + 10):
+        _hop.unpin(f"s{index}")
+    assert len(_hop.unpinned) == _hop.UNPINNED_KEPT and "s0" not in _hop.unpinned
+    assert not _hop.unpin(f"s{_hop.UNPINNED_KEPT}")
+    _hop.unpinned.clear()
