@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from opentelemetry import propagate
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _faults, _registry, _settings, _stock, _tracing
+from otel_session import _evidence, _faults, _registry, _settings, _stock, _tracing
 from otel_session._hosts import HostPattern
 from otel_session._propagator import SessionPropagator
 from otel_session._routers import DYNAMO
@@ -137,6 +137,7 @@ def unconfigure() -> None:
     with _faults.deferred(), _lock, _stock.settling():
         _settings.set_active(None)
         _told.clear()
+        _evidence.forget()  # what the routers of this configuration showed, and who was unpinned
         _tracing.apply(False)
         for name in _registry.instrumentors():
             instrumentor = _registry.instrumentor(name)

@@ -195,3 +195,4 @@ def forget() -> None:
         _pending_worker.clear()
         routers.clear()
     _metrics.failed.clear()
+    _hop.unpinned.clear()

@@ -207,7 +207,7 @@ def test_a_retry_after_a_503_is_counted_as_one(router: Router) -> None:
     with otel_session.trajectory():
         answer = _ask_openai(router, retries=1)
     assert answer.choices[0].message.content == "hi"
-    assert metric_delta(before, "otel_session.requests", otel_session__retry=True) == 0
+    assert metric_delta(before, "otel_session.requests", otel_session__retry=True) == 1
     assert metric_delta(before, "otel_session.requests", otel_session__retry=False) == 1
     assert metric_delta(before, "otel_session.error_responses", http__response__status_code=503) == 1
 

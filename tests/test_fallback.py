@@ -169,3 +169,18 @@ def test_unpinned_sessions_are_bounded() -> None:
     assert len(_hop.unpinned) == _hop.UNPINNED_KEPT and "s0" not in _hop.unpinned
     assert not _hop.unpin(f"s{_hop.UNPINNED_KEPT}")
     _hop.unpinned.clear()
+
+
+def test_unconfigure_forgets_the_evidence_and_the_unpinned_sessions(
+    frontend: FullTable, caplog: pytest.LogCaptureFixture
+) -> None:
+    authority = frontend.base_url.split("/")[2]
+    with otel_session.trajectory() as attempt:
+        _ask_openai(frontend)
+        assert _evidence.summaries() and attempt.session_id in _hop.unpinned
+        otel_session.unconfigure()
+        assert _evidence.summaries() == {} and not _hop.unpinned
+        otel_session.configure(dynamo_hosts=[authority])
+        _ask_openai(frontend)  # a new configuration: pinned again, refused again, unpinned again
+    assert frontend.sessions == [attempt.session_id, None, attempt.session_id, None]
+    assert len(_said(caplog)) == 2  # "once per router per process" starts again, like every warning
