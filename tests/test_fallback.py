@@ -24,10 +24,11 @@ from aiohttp import web
 
 import otel_session
 from otel_session import _evidence, _hop
+from otel_session.dynamo import LocalDynamo
 from tests.gym_servers import AiohttpServer
-from tests.support import metric_delta, metric_points, metrics_reader
+from tests.support import TABLE_FULL_BODY, DynamoProxy, metric_delta, metric_points, metrics_reader
 
-FULL_TABLE = '{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'  # Dynamo 1.6.1
+FULL_TABLE = TABLE_FULL_BODY  # Dynamo 1.6.1
 WARNING = "answered 529"
 MESSAGES: Any = [{"role": "user", "content": "hi"}]
 COMPLETION = {
@@ -184,3 +185,45 @@ def test_unconfigure_forgets_the_evidence_and_the_unpinned_sessions(
         _ask_openai(frontend)  # a new configuration: pinned again, refused again, unpinned again
     assert frontend.sessions == [attempt.session_id, None, attempt.session_id, None]
     assert len(_said(caplog)) == 2  # "once per router per process" starts again, like every warning
+
+
+@pytest.mark.slow
+def test_in_front_of_the_real_dynamo_the_unpinned_retry_is_served(
+    dynamo_stack: LocalDynamo, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stand-in answers only what a full table answers (529 to a session); every request without
+    the header reaches the real Dynamo 1.6.1 frontend and its mocker workers, and is answered there."""
+    caplog.set_level(logging.WARNING, "otel_session")
+    _evidence.forget()
+    with DynamoProxy(f"http://{dynamo_stack.host}", table_full=True) as proxy:
+        otel_session.configure(dynamo_hosts=[proxy.authority])
+        client = openai.OpenAI(base_url=f"http://{proxy.authority}/v1", api_key="unused", max_retries=2)
+        with otel_session.trajectory() as attempt:
+            answer = client.chat.completions.create(
+                model=dynamo_stack.model_name, messages=MESSAGES, max_tokens=4
+            )
+        client.close()
+        assert answer.choices and answer.usage is not None
+        chats = [r for r in proxy.requests if r.path.endswith("/chat/completions")]
+        assert [(r.header("x-dynamo-session-id"), r.status) for r in chats] == [
+            (attempt.session_id, 529),
+            (None, 200),
+        ]
+
+        async def rollout() -> dict[str, Any]:
+            async with otel_session.trajectory():
+                url = f"http://{proxy.authority}/v1"
+                for _ in range(3):  # NeMo-RL's _post_completion_request: 3 attempts on 5xx
+                    async with aiohttp.ClientSession() as session:
+                        body = {"model": dynamo_stack.model_name, "messages": MESSAGES, "max_tokens": 4}
+                        async with session.post(f"{url}/chat/completions", json=body) as reply:
+                            if reply.status >= 500:
+                                continue
+                            data: dict[str, Any] = await reply.json()
+                            return data
+            raise RuntimeError("3 attempts failed")
+
+        assert asyncio.run(rollout())["choices"]
+        chats = [r for r in proxy.requests if r.path.endswith("/chat/completions")]
+        assert [r.status for r in chats[2:]] == [529, 200] and chats[3].header("x-dynamo-session-id") is None
+    _evidence.forget()
