@@ -182,13 +182,14 @@ class trajectory(metaclass=_TrajectoryType):
         await self._end_async(exc)
 
     def _end(self, exc: BaseException | None) -> None:
+        # An unpinned session (its router refused it for want of room) is bound nowhere: nothing to end.
         visits = self._leave(exc)
-        if visits and self.session_id is not None:
+        if visits and self.session_id is not None and self.session_id not in _hop.unpinned:
             _session_end.finish(self.session_id, self.parent_session_id, visits)
 
     async def _end_async(self, exc: BaseException | None) -> None:
         visits = self._leave(exc)
-        if visits and self.session_id is not None:
+        if visits and self.session_id is not None and self.session_id not in _hop.unpinned:
             await _session_end.finish_async(self.session_id, self.parent_session_id, visits)
 
     def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:

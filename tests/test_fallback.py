@@ -56,6 +56,9 @@ class FullTable:
             return web.Response(status=529, text=FULL_TABLE, content_type="application/json")
         return web.json_response(COMPLETION)
 
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
     @property
     def base_url(self) -> str:
         assert self.server is not None
@@ -70,6 +73,7 @@ def frontend(caplog: pytest.LogCaptureFixture) -> Iterator[FullTable]:
     served = FullTable()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", served.chat)
+    app.router.add_get("/v1/models", served.models)
     with AiohttpServer(app) as server:
         served.server = server
         otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"])
@@ -161,6 +165,15 @@ def test_strict_affinity_keeps_the_error(
 async def _strict_aiohttp(frontend: FullTable) -> None:
     async with otel_session.trajectory():
         await _post_completion_request(frontend)
+
+
+def test_an_unpinned_session_is_not_ended_at_the_router(frontend: FullTable) -> None:
+    """Ending a session (end_sessions) tells a router to let its binding go: a session it refused has
+    none, and the notice, carrying the session, would only be refused again."""
+    otel_session.configure(dynamo_hosts=[frontend.base_url.split("/")[2]], end_sessions=True)
+    with otel_session.trajectory() as attempt:
+        _ask_openai(frontend)
+    assert frontend.sessions == [attempt.session_id, None]  # no third request: no final notice
 
 
 def test_unpinned_sessions_are_bounded() -> None:
