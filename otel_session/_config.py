@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from opentelemetry import propagate
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _faults, _registry, _settings, _stock, _tracing
+from otel_session import _evidence, _faults, _registry, _settings, _stock, _tracing
 from otel_session._hosts import HostPattern
 from otel_session._propagator import SessionPropagator
 from otel_session._routers import DYNAMO
@@ -39,6 +39,7 @@ def configure(
     servers: bool | None = None,
     trajectory_functions: Iterable[str] | str | None = None,
     siblings: str | None = None,
+    strict_affinity: bool | None = None,
 ) -> Settings:
     """Deliver each trajectory's session to its routers and its baggage to ``trusted_hosts``.
 
@@ -53,11 +54,21 @@ def configure(
     process builds. ``trajectory_functions`` (``module:Qualified.name``) makes every call of each
     named function a trajectory attempt. ``siblings`` (``OTEL_SESSION_SIBLINGS``: ``attempt``,
     ``prompt`` or ``groups:K``, default ``groups:2``) says how attempts of one group
-    (``trajectory(group=...)``) name a parent session. Raises ``ValueError`` naming a bad argument or
-    variable.
+    (``trajectory(group=...)``) name a parent session. ``strict_affinity``
+    (``OTEL_SESSION_STRICT_AFFINITY``, unset: off) keeps a session pinned after its router refused it
+    for want of room (Dynamo's 529), so the client's retries get the same error. Raises
+    ``ValueError`` naming a bad argument or variable.
     """
     settings, warnings = _settings.build(
-        dynamo_hosts, trusted_hosts, tracing, routers, end_sessions, servers, trajectory_functions, siblings
+        dynamo_hosts,
+        trusted_hosts,
+        tracing,
+        routers,
+        end_sessions,
+        servers,
+        trajectory_functions,
+        siblings,
+        strict_affinity,
     )
     install(settings, warnings)
     return settings
@@ -126,6 +137,7 @@ def unconfigure() -> None:
     with _faults.deferred(), _lock, _stock.settling():
         _settings.set_active(None)
         _told.clear()
+        _evidence.forget()  # what the routers of this configuration showed, and who was unpinned
         _tracing.apply(False)
         for name in _registry.instrumentors():
             instrumentor = _registry.instrumentor(name)

@@ -20,7 +20,7 @@ from typing import Any
 
 from opentelemetry.context import get_current
 
-from otel_session import _faults, _metrics, _settings, _verdicts
+from otel_session import _faults, _hop, _metrics, _settings, _verdicts
 from otel_session._context import session_ids
 from otel_session._metrics import Router
 
@@ -173,7 +173,9 @@ def _siblings_policy() -> str:
 
 
 def answered(router: Router, session: str, status: int) -> None:
-    """``router`` answered a request of ``session`` with an error ``status`` (429 or 5xx)."""
+    """``router`` answered a request of ``session`` with an error ``status`` (429 or 5xx). A 529
+    (no room for a new session) unpins the session for the rest of its attempt, unless strict: the
+    client's own retries then go where a request without otel-session would have gone."""
     _metrics.answered_error(router, session, status)
     with _lock:
         seen = routers.setdefault(router, _verdicts.RouterEvidence())
@@ -181,10 +183,15 @@ def answered(router: Router, session: str, status: int) -> None:
         if status != OVERLOADED:
             return
         seen.refused += 1
+    settings = _settings.current
+    strict = settings is None or settings.strict_affinity
+    if not strict and _hop.unpin(session):
+        _metrics.unpinned_sessions.add(1, _metrics.router_attributes(router))
+    with _lock:
         if "table-full" in seen.warned:
             return
         seen.warned.add("table-full")
-    _faults.warn("%s", _verdicts.table_full(router, session))
+    _faults.warn("%s", _verdicts.table_full(router, session, strict))
 
 
 def answered_status(status: int, scheme: str, host: str | None, port: int | None) -> None:
@@ -211,3 +218,4 @@ def forget() -> None:
         _pending_worker.clear()
         routers.clear()
     _metrics.failed.clear()
+    _hop.unpinned.clear()

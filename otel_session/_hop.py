@@ -8,12 +8,15 @@ that hop's headers only, and where an upstream instrumentation may inject later 
 ``Plan.hop`` in the context, so the propagator gives the same answer.
 
 Plans are remembered per context and destination: a trajectory sends many requests to a few hosts
-from one context, and a ``Context`` is immutable, so one context always offers the same.
+from one context, and a ``Context`` is immutable, so one context always offers the same. (Over 300
+lines: the plans, the sessions unpinned after their router refused them, and the once-per-process
+lines about requests outside any trajectory all answer from the same context and configuration.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -105,6 +108,8 @@ class Offered:
     __slots__ = ("_plans", "context", "offer", "offers", "settings", "undecided", "watched")
 
     def __init__(self, settings: _settings.Settings, context: Context, offer: Offer) -> None:
+        if unpinned and offer.session in unpinned:
+            offer = offer._replace(pinned=False)
         self.settings = settings
         self.context = context
         self.offer = offer
@@ -284,3 +289,23 @@ def forget() -> None:
     """Drop what was remembered (a forked child starts from a context of its own)."""
     global _last
     _last = None
+
+
+UNPINNED_KEPT = 16_384  # sessions remembered: more than any run keeps in flight
+# Sessions whose router refused them for want of room: the rest of their attempt goes unpinned.
+unpinned: dict[str, None] = {}
+_unpin_lock = threading.Lock()
+
+
+def unpin(session: str) -> bool:
+    """From now on, requests of ``session`` carry no router's session header (availability over
+    affinity: the router refused it, and a retry pinned again would be refused again). ``True`` the
+    first time for this session."""
+    with _unpin_lock:
+        if session in unpinned:
+            return False
+        if len(unpinned) >= UNPINNED_KEPT:
+            unpinned.pop(next(iter(unpinned)), None)
+        unpinned[session] = None
+    forget()  # the plans remembered for the current context still pin it
+    return True

@@ -72,6 +72,12 @@ crowded_turns = _meter.create_counter(
     description="Turns whose worker is known, by whether that worker was crowded with pinned sessions.",
 )
 
+unpinned_sessions = _meter.create_counter(
+    "otel_session.unpinned_sessions",
+    unit="{session}",
+    description="Sessions a router refused for want of room (529) whose later requests went unpinned.",
+)
+
 Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them
 # Attribute sets made once per (profile, destination, with session, retry): a run has few routers.
 _attributes: dict[tuple[str, Destination, bool, bool], dict[str, Any]] = {}

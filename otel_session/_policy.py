@@ -9,6 +9,8 @@ to whatever header object they have.
 - A trusted host receives W3C baggage: a caller's own baggage is kept as written, ours appended.
 - Either receives ``traceparent`` when there is a span to name (tracing on, or a span recorded here).
 - Every other host receives nothing from us.
+- A session its router refused for want of room (``Offer.pinned`` false) is no longer pinned: its
+  requests go on without the router's headers, as they would without otel-session.
 - A header the caller set is left as set. Only where the carrier may also hold what a stock
   OpenTelemetry propagator copied (``callers_only=False``) are values recognisably ours taken back.
 """
@@ -40,6 +42,7 @@ class Offer(NamedTuple):
     parent: str | None = None
     baggage: Mapping[str, object] = MappingProxyType({})
     traceparent: str | None = None
+    pinned: bool = True  # False once the session's router refused it for want of room (``_hop.unpin``)
 
     @property
     def trace_id(self) -> str | None:
@@ -86,7 +89,7 @@ def plan(
     """
     edits: list[Edit] = []
     profile = route.profile
-    if profile is not None and offer.session is not None and profile.accepts(offer.session):
+    if profile is not None and offer.session is not None and offer.pinned and profile.accepts(offer.session):
         name = profile.session_header
         if name.lower() not in held or name.lower() in replaceable:
             edits.append((name, offer.session))

@@ -28,6 +28,7 @@ ENV_END_SESSIONS = "OTEL_SESSION_END_SESSIONS"
 ENV_SERVERS = "OTEL_SESSION_SERVERS"
 ENV_ADOPT = "OTEL_SESSION_ADOPT"
 ENV_TRAJECTORY_FUNCTIONS = "OTEL_SESSION_TRAJECTORY_FUNCTIONS"
+ENV_STRICT_AFFINITY = "OTEL_SESSION_STRICT_AFFINITY"
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -53,6 +54,7 @@ class Settings:
     adopt: tuple[str, str] | None = None
     trajectory_functions: tuple[str, ...] = ()
     siblings: Siblings = DEFAULT_SIBLINGS
+    strict_affinity: bool = False
 
     def with_dynamo_hosts(self, patterns: Iterable[HostPattern]) -> Settings:
         """These settings with more Dynamo host patterns."""
@@ -278,6 +280,7 @@ def build(
     servers: object = None,
     trajectory_functions: Iterable[str] | str | None = None,
     siblings: object = None,
+    strict_affinity: object = None,
     *,
     lenient: bool = False,
     servers_default: bool = False,
@@ -306,6 +309,14 @@ def build(
         adopt=reader.adopt(),
         trajectory_functions=reader.functions(trajectory_functions),
         siblings=reader.siblings(siblings),
+        strict_affinity=reader.flag(
+            "strict_affinity",
+            strict_affinity,
+            ENV_STRICT_AFFINITY,
+            False,
+            False,
+            "a session its router refuses for want of room goes on unpinned",
+        ),
     )
     if say_if_empty and not settings.rules:
         if reader.failed & {ENV_DYNAMO_HOSTS, ENV_TRUSTED_HOSTS, ENV_ROUTERS}:

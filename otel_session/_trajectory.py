@@ -206,13 +206,14 @@ class trajectory(metaclass=_TrajectoryType):
         await self._end_async(exc)
 
     def _end(self, exc: BaseException | None) -> None:
+        # An unpinned session (its router refused it for want of room) is bound nowhere: nothing to end.
         visits = self._leave(exc)
-        if visits and self.session_id is not None:
+        if visits and self.session_id is not None and self.session_id not in _hop.unpinned:
             _session_end.finish(self.session_id, self.parent_session_id, visits)
 
     async def _end_async(self, exc: BaseException | None) -> None:
         visits = self._leave(exc)
-        if visits and self.session_id is not None:
+        if visits and self.session_id is not None and self.session_id not in _hop.unpinned:
             await _session_end.finish_async(self.session_id, self.parent_session_id, visits)
 
     def _leave(self, exc: BaseException | None) -> set[_session_end.Visit] | None:
@@ -355,13 +356,50 @@ def _refuse_now(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     function binds its arguments when called, before any of its code runs). Only arguments its
     signature refuses are passed to ``func`` here, so the error is the function's own."""
     try:
-        inspect.signature(func).bind(*args, **kwargs)
+        signature, bound = _signature_of(func, args)
+        if signature is None:
+            return
+        signature.bind(*bound, **kwargs)
     except TypeError:
         made = func(*args, **kwargs)  # raises, unless the signature was not the function's
         if inspect.iscoroutine(made) or inspect.isgenerator(made):
             made.close()  # not run: the attempt calls the function itself
-    except ValueError:  # no signature to be had: the call itself will tell
-        pass
+
+
+SIGNATURES_KEPT = 256  # functions whose signature is remembered: a run has a few rollout functions
+_signatures: dict[Any, inspect.Signature | None] = {}
+
+
+def _signature_of(
+    func: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[inspect.Signature | None, tuple[Any, ...]]:
+    """``func``'s signature, made once per function (``inspect.signature`` costs more than the rest of
+    starting an attempt), and the arguments to bind to it: a bound method's instance first, since its
+    function's signature is the one remembered (a new bound method is made at every attribute access).
+    ``None`` where it has none."""
+    key: Any = func
+    function = getattr(func, "__func__", None)
+    if function is not None and hasattr(func, "__self__") and not hasattr(func, "__signature__"):
+        key, args = function, (func.__self__, *args)
+    try:
+        found = _signatures.get(key, _UNKNOWN)
+    except TypeError:  # unhashable: asked afresh
+        found = _UNKNOWN
+    if found is _UNKNOWN:
+        try:
+            found = inspect.signature(key)
+        except ValueError:
+            found = None
+        try:
+            if len(_signatures) >= SIGNATURES_KEPT:
+                _signatures.clear()
+            _signatures[key] = found
+        except TypeError:
+            pass
+    return found, args
+
+
+_UNKNOWN: Any = object()
 
 
 def continued(attempt: trajectory | None, ctx: Context, result: Any) -> Any:

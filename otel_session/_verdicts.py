@@ -168,14 +168,23 @@ def pause_that_breaks(gaps: list[tuple[float, bool]]) -> float | None:
     return None
 
 
-def table_full(router: Router, session: str) -> str:
-    """The one line for a 529: the table is full, and the rule that sizes it (its figures are in
-    docs/integrations.md, "Capacity", and ``otel-session doctor``)."""
+def table_full(router: Router, session: str, strict: bool = False) -> str:
+    """The one line for a 529: the table is full, what becomes of the session, and the rule that
+    sizes the table (its figures are in docs/integrations.md, "Capacity", and ``otel-session doctor``)."""
+    then = (
+        "OTEL_SESSION_STRICT_AFFINITY keeps such sessions pinned, so their retries get the same answer"
+        if strict
+        else "such a session's retries and later turns go without the pin, served like requests without "
+        "otel-session (counted in otel_session.unpinned_sessions; OTEL_SESSION_STRICT_AFFINITY=true "
+        "keeps the error instead)"
+    )
     return (
         f"otel-session: {router[0]} router {origin(router)} answered 529 to a request of session {session}: "
         "its session-affinity table is full, so every new session is refused until bindings idle out "
-        "(Dynamo keeps a fixed number, each until it has been idle for --router-session-affinity-ttl-secs). "
-        "Bindings ~= new trajectories per second x TTL: set the TTL a little above the longest pause "
+        "(Dynamo keeps a fixed number, each until it has been idle for --router-session-affinity-ttl-secs); "
+        f"{then}. "
+        "Bindings ~= new trajectories per second x TTL, kept under 65,536: set the TTL a little above the "
+        "longest pause "
         'inside a trajectory and within the table\'s budget; see docs/integrations.md, "Capacity", or '
         "`otel-session doctor`. Logged once per router per process."
     )

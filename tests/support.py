@@ -61,6 +61,10 @@ def _fresh_records(fleet: list[Backend]) -> None:
         backend.seen.clear()
 
 
+# Dynamo 1.6.1's 529 to a new session once its affinity table is full (results/capacity-hard.json)
+TABLE_FULL_BODY = '{"message":"Service temporarily overloaded","type":"Overloaded","code":529}'
+
+
 @dataclass
 class Forwarded:
     """One request to Dynamo as the proxy saw it, and its answer (``worker``: the Dynamo instance id
@@ -97,10 +101,13 @@ class DynamoProxy:
     driver sent. ``fail_once`` picks one request that the proxy answers 503 itself instead of
     forwarding it (to drive a client's retry); it is dropped after its first match. ``balance``: more
     upstreams, taken in turn with ``upstream`` request by request (a round-robin balancer in front of
-    several frontends)."""
+    several frontends). ``table_full``: a request carrying ``X-Dynamo-Session-ID`` is answered
+    Dynamo 1.6.1's own 529 for a full affinity table instead (the body benchmarks/capacity.py recorded),
+    one without it is forwarded, as the real frontend does once its 65,536 bindings are taken."""
 
     upstream: str
     fail_once: Callable[[Forwarded], bool] | None = None
+    table_full: bool = False
     requests: list[Forwarded] = field(default_factory=list)
     balance: Sequence[str] = ()
     _server: AiohttpServer | None = None
@@ -122,6 +129,9 @@ class DynamoProxy:
                 self.fail_once = None
                 seen.status = 503
                 return web.json_response({"error": {"message": "busy (harness)"}}, status=503)
+            if self.table_full and seen.header("x-dynamo-session-id") is not None:
+                seen.status = 529
+                return web.Response(status=529, text=TABLE_FULL_BODY, content_type="application/json")
             upstreams = [self.upstream, *self.balance]
             target = upstreams[(len(self.requests) - 1) % len(upstreams)]
             async with request.app[client_key].request(

@@ -7,6 +7,9 @@ Dynamo, baggage to trusted hosts, nothing elsewhere, also across redirects and r
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 
 import aiohttp
 import pytest
@@ -175,3 +178,31 @@ async def test_unconfigured_sends_nothing(dynamo: Recorder) -> None:
             async with http.post(f"{dynamo.url}/u"):
                 pass
     assert not _only(dynamo, "/u").names() & OURS
+
+
+def test_a_send_never_awaited_warns_twice_as_documented(dynamo: Recorder) -> None:
+    """docs/api.md, "Patching": a ``ClientRequest.send`` coroutine created inside a trajectory and
+    dropped unawaited warns for ours and for aiohttp's (closing aiohttp's would cost every request a
+    finalizer). Sent nowhere: the request is left as it was."""
+    code = f"""
+        import asyncio, gc, aiohttp, yarl, otel_session
+        otel_session.configure(dynamo_hosts=[{dynamo.url!r}])
+        async def main():
+            async with otel_session.trajectory():
+                loop = asyncio.get_running_loop()
+                request = aiohttp.ClientRequest("GET", yarl.URL({dynamo.url!r} + "/unsent"), loop=loop)
+                request.send(None)
+                gc.collect()
+        asyncio.run(main())
+        gc.collect()
+    """
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    said = sorted(line.split("coroutine ")[1] for line in out.stderr.splitlines() if "never awaited" in line)
+    assert said == ["'ClientRequest.send' was never awaited", "'_hop_send' was never awaited"], out.stderr
+    assert not [seen for seen in dynamo.requests if seen.path == "/unsent"]

@@ -31,10 +31,11 @@ from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Route, Router, WebSocketRoute
 from starlette.websockets import WebSocket
 
 import otel_session
+from otel_session.servers import SessionMiddleware
 from tests.loopback import AsgiServer
 
 STARLETTE_APP = """
@@ -249,3 +250,19 @@ def test_the_servers_serve_without_the_middleware_when_servers_are_off(app_dir: 
     with serving(argv, port, app_dir, OTEL_SESSION_SERVERS="false") as base:
         status, body = ask(base)
         assert status == 200 and body["session"] is None
+
+
+def test_a_bare_router_served_as_the_app_gets_no_middleware_unless_wrapped_by_hand(dynamo: Any) -> None:
+    """docs/integrations.md, "Servers": the middleware goes in where an app assembles its middleware,
+    which a bare ``starlette.routing.Router`` never does; ``SessionMiddleware(router)`` serves it."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], servers=True)
+
+    async def who(request: Request) -> JSONResponse:
+        return JSONResponse({"session": otel_session.current_session_id(), "started": False})
+
+    router = Router(routes=[Route("/who", who)])
+    with AsgiServer(router) as server:
+        status, body = ask(server.url)
+        assert status == 200 and body["session"] is None  # served as it is, without the session
+    with AsgiServer(SessionMiddleware(router)) as server:
+        assert_served_with_the_middleware(server.url, lifespan=False)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -190,3 +193,31 @@ if __name__ == "__main__":
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
+
+
+def test_the_outside_line_is_said_once_per_worker(dynamo: Recorder, tmp_path: Path) -> None:
+    """docs/api.md, "Threads, pools and processes": each worker that sends to a router outside any
+    trajectory says so once (it is its own process); a worker forked after its parent said it is a
+    copy that has said it too."""
+    code = f"""
+        import multiprocessing, httpx, otel_session
+        def send(path):
+            httpx.get({dynamo.url!r} + path, timeout=10)
+        def run(path):
+            child = multiprocessing.get_context("fork").Process(target=send, args=(path,))
+            child.start(); child.join(60)
+            assert child.exitcode == 0
+        if __name__ == "__main__":
+            otel_session.configure(dynamo_hosts=[{dynamo.url!r}])
+            run("/worker-1"); run("/worker-2")
+            print("parent", flush=True)
+            send("/parent")
+            run("/worker-3")
+    """
+    script = tmp_path / "workers.py"
+    script.write_text(textwrap.dedent(code))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [line for line in out.stderr.splitlines() if "was sent outside any trajectory" in line]
+    assert len(said) == 3, out.stderr  # worker 1, worker 2, the parent; worker 3 inherited the parent's
+    assert {seen.path for seen in dynamo.requests} >= {"/worker-1", "/worker-2", "/parent", "/worker-3"}

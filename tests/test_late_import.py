@@ -122,3 +122,52 @@ def test_a_library_outside_the_required_versions_is_left_unpatched_with_one_line
     assert seen.get("x-dynamo-session-id") is None
     lines = [line for line in out.stderr.splitlines() if "left unpatched" in line]
     assert len(lines) == 1 and "httpx >= 999" in lines[0], out.stderr
+
+
+def test_a_library_deleted_from_sys_modules_and_imported_again_is_patched_again(dynamo: Recorder) -> None:
+    """A fresh import (a test isolating a library, a plugin system starting over) makes new classes:
+    they are patched too, and a boundary's module imported afresh is a boundary again."""
+    out = run(f"""
+        import asyncio, sys
+        sys.path.insert(0, {str(STANDIN)!r})
+        import otel_session
+        otel_session.configure(dynamo_hosts=[{dynamo.url!r}], trajectory_functions=[{PRESET!r}])
+        import aiohttp, nemo_rl.experience.rollouts
+        first = aiohttp.ClientSession
+        for name in [n for n in sys.modules if n == "aiohttp" or n.startswith(("aiohttp.", "nemo_rl"))]:
+            del sys.modules[name]
+        import aiohttp
+        import nemo_rl.experience.rollouts as rollouts
+        assert aiohttp.ClientSession is not first  # new classes
+        assert hasattr(rollouts.run_sample_multi_turn_rollout, "__wrapped__")
+        async def main():
+            async with otel_session.trajectory() as attempt, aiohttp.ClientSession() as http:
+                async with http.get({dynamo.url!r} + "/again") as response:
+                    await response.read()
+            return attempt.session_id
+        print(asyncio.run(main()))
+    """)
+    (seen,) = [seen for seen in dynamo.requests if seen.path == "/again"]
+    assert seen.get("x-dynamo-session-id") == out.stdout.strip().splitlines()[-1]
+
+
+def test_a_boundary_in_a_module_loaded_by_file_path_is_not_applied_and_says_so(
+    dynamo: Recorder, tmp_path: Path
+) -> None:
+    """Loading by file path runs no import hook, so the named function stays as it is (documented in
+    docs/api.md, "Patching"); instead of silence, the exit says why and what to do."""
+    path = tmp_path / "by_path_rollouts.py"
+    path.write_text("import otel_session\ndef run():\n    return otel_session.current_session_id()\n")
+    out = run(f"""
+        import importlib.util, sys
+        import otel_session
+        otel_session.configure(dynamo_hosts=[{dynamo.url!r}], trajectory_functions=["by_path_rollouts:run"])
+        spec = importlib.util.spec_from_file_location("by_path_rollouts", {str(path)!r})
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["by_path_rollouts"] = module
+        spec.loader.exec_module(module)
+        print(module.run())
+    """)
+    assert out.stdout.strip().splitlines()[-1] == "None"
+    lines = [line for line in out.stderr.splitlines() if "by_path_rollouts:run was never applied" in line]
+    assert len(lines) == 1 and "file path" in lines[0] and "import it by name" in lines[0], out.stderr

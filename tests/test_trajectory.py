@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import multiprocessing
 import subprocess
@@ -10,12 +11,13 @@ import sys
 import textwrap
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from opentelemetry import baggage, context, trace
 
 import otel_session
-from otel_session import _hop
+from otel_session import _hop, _trajectory
 from tests.otlp_receiver import OtlpHttpReceiver
 
 
@@ -287,3 +289,35 @@ def test_the_bare_name_as_a_context_manager_says_to_add_parentheses() -> None:
     with pytest.raises(TypeError, match=r"\(or `async with`\)"):
         asyncio.run(use())
     assert otel_session.current_session_id() is None
+
+
+def test_a_boundarys_signature_is_made_once_per_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A boundary (``as_attempt``: named functions, framework presets, a callable object) checks the
+    arguments at the call, since a coroutine binds them when called, from a signature made once per
+    function: ``inspect.signature`` costs more than the rest of starting an attempt."""
+    made: list[object] = []
+    signature = inspect.signature
+
+    def counting(func: Any, *args: Any, **kwargs: Any) -> inspect.Signature:
+        made.append(func)
+        return signature(func, *args, **kwargs)
+
+    class Agent:
+        async def episode(self, turns: int) -> str | None:
+            return otel_session.current_session_id()
+
+    class Rollout:
+        async def __call__(self, turns: int) -> str | None:
+            return otel_session.current_session_id()
+
+    template, rollout = otel_session.trajectory(), Rollout()
+    monkeypatch.setattr(inspect, "signature", counting)
+    for _ in range(3):
+        assert asyncio.run(_trajectory.as_attempt(template, rollout, (1,), {})) is not None
+        episode = Agent().episode  # a new instance, a new bound method, one function
+        assert asyncio.run(_trajectory.as_attempt(template, episode, (1,), {})) is not None
+    assert len(made) == 2, made
+    with pytest.raises(TypeError, match="argument"):
+        _trajectory.as_attempt(template, rollout, (), {})  # still refused at the call, by the function
+    with pytest.raises(TypeError, match="argument"):
+        _trajectory.as_attempt(template, Agent().episode, (1, 2), {})

@@ -273,6 +273,11 @@ def _never_imported(module: str) -> str:
 
 
 _NOT_IMPORTED = "its module was never imported"
+_BY_PATH = (
+    "its module was loaded without an import (by file path: importlib.util.spec_from_file_location and "
+    "exec_module, runpy.run_path), which no import hook sees; import it by name, or decorate the "
+    "function with @otel_session.trajectory"
+)
 
 
 def _a_helper_process() -> bool:
@@ -409,7 +414,9 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         helper = _a_helper_process()
         for name in self._names:
             module = name.partition(":")[0]
-            if module not in sys.modules:
+            if module in sys.modules and name not in self._applied:
+                _faults.warn("otel-session: trajectory function %s was never applied: %s", name, _BY_PATH)
+            elif module not in sys.modules:
                 why = _never_imported(module)
                 if helper and why == _NOT_IMPORTED:
                     continue  # the rollouts run elsewhere: this process imports only what it needs
