@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from opentelemetry import propagate
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _evidence, _faults, _registry, _settings, _stock, _tracing
+from otel_session import _evidence, _faults, _registry, _settings, _stock, _threads, _tracing
 from otel_session._hosts import HostPattern
 from otel_session._propagator import SessionPropagator
 from otel_session._routers import DYNAMO
@@ -122,6 +122,7 @@ def _install(settings: Settings) -> None:
     for name in _registry.instrumentors():
         if name not in wanted and _registry.instrumentor(name).is_instrumented_by_opentelemetry:
             _registry.instrumentor(name).uninstrument()
+    _threads.apply(True)
     current = propagate.get_global_textmap()
     if not isinstance(current, SessionPropagator):
         _previous_textmap = current
@@ -139,6 +140,7 @@ def unconfigure() -> None:
         _told.clear()
         _evidence.forget()  # what the routers of this configuration showed, and who was unpinned
         _tracing.apply(False)
+        _threads.apply(False)
         for name in _registry.instrumentors():
             instrumentor = _registry.instrumentor(name)
             if instrumentor.is_instrumented_by_opentelemetry:

@@ -26,7 +26,7 @@ from opentelemetry.instrumentation.distro import BaseDistro  # type: ignore[attr
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_CONFIGURATOR
 from opentelemetry.util._importlib_metadata import EntryPoint
 
-from otel_session import _environment, _registry, _settings
+from otel_session import _environment, _registry, _settings, _threads
 
 ENTRY_POINT_NAME = "otel_session"
 
@@ -45,6 +45,8 @@ class SessionDistro(BaseDistro):  # type: ignore[misc]
     def load_instrumentor(self, entry_point: EntryPoint, **kwargs: Any) -> None:
         if entry_point.name in _registry.instrumentors():
             return
+        if entry_point.name == _threads.ENTRY_POINT and _threads.on():
+            return  # configure() turned it on already: instrumenting again would only warn
         if any(entry_point.name in kind.replaces for kind in _registry.instrumentors().values()):
             return
         super().load_instrumentor(entry_point, **kwargs)

@@ -1,7 +1,8 @@
 """Where contextvars do not follow: thread pools, threads, executors, and Ray worker processes.
 
 Each test makes real httpx calls to a recording Dynamo from the other thread or process, and checks
-that they carry the trajectory's session (and that without the helper they would not).
+that they carry the trajectory's session. Thread pools and threads carry it without the helper too,
+since ``configure()`` turns on upstream's threading instrumentation (tests/test_threads.py).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def test_thread_pool_calls_carry_the_trajectory_with_bind(dynamo: Recorder) -> N
         unbound = pool.submit(_call, f"{dynamo.url}/unbound").result()
     assert in_pool == [traj.session_id] * 16
     assert _sessions(dynamo, "/bound/") == [traj.session_id] * 16
-    assert unbound is None  # what bind is for: a pool thread starts with an empty context
-    assert _sessions(dynamo, "/unbound") == [None]
+    # configure() turned on upstream's threading instrumentation: submit carries the context too
+    assert unbound == traj.session_id
+    assert _sessions(dynamo, "/unbound") == [traj.session_id]
 
 
 @pytest.mark.usefixtures("configured")

@@ -26,6 +26,7 @@ NAMES = {
     "otel_session_httpx",
     "otel_session_httpx2",
     "otel_session_aiohttp",
+    "otel_session_urllib3",
     "otel_session_starlette",
     "otel_session_aiohttp_server",
 }

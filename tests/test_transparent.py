@@ -118,6 +118,7 @@ def everything_importable(new_module: Callable[[str, str], str]) -> Iterator[tup
     import httpx
     import httpx2  # noqa: F401
     import starlette.applications  # noqa: F401
+    import urllib3  # noqa: F401
 
     name = new_module("boundaries_all_kinds", BOUNDARIES)
     module = importlib.import_module(name)
@@ -156,6 +157,7 @@ def test_every_patched_target_is_indistinguishable_from_its_original(
         "otel_session_httpx",
         "otel_session_httpx2",
         "otel_session_aiohttp",
+        "otel_session_urllib3",
         "otel_session_starlette",
         "otel_session_aiohttp_server",
         "otel_session_boundaries",

@@ -470,3 +470,44 @@ def test_zero_code_warns_once_per_real_misconfiguration_and_never_otherwise(
     )
     assert (result.returncode, result.stdout) == (0, "served\n"), result.stderr
     assert len(_our_lines(result.stderr)) == warnings, result.stderr
+
+
+REQUESTS_ROLLOUT = """
+import json, sys
+import concurrent.futures
+import requests, urllib3
+import otel_session
+
+dynamo, other = sys.argv[1], sys.argv[2]
+with otel_session.trajectory() as traj:
+    with requests.Session() as session:
+        session.get(f"{dynamo}/requests")
+        session.get(f"{other}/requests")
+    urllib3.request("GET", f"{dynamo}/urllib3")
+    with concurrent.futures.ThreadPoolExecutor() as pool:  # the threading instrumentation, on too
+        pool.submit(requests.get, f"{dynamo}/pool").result()
+print(json.dumps({"session": traj.session_id}))
+"""
+
+
+def test_zero_code_requests_urllib3_and_a_thread_pool(
+    servers: tuple[HeaderServer, HeaderServer], tmp_path: Path
+) -> None:
+    dynamo, other = servers
+    script = tmp_path / "rollout_requests.py"
+    script.write_text(REQUESTS_ROLLOUT)
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+    env = {**clean, "OTEL_SESSION_DYNAMO_HOSTS": dynamo.authority, "OTEL_PYTHON_DISTRO": "otel_session"}
+    result = subprocess.run(
+        [INSTRUMENT, sys.executable, str(script), dynamo.url, other.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "already instrumented" not in result.stderr, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [path for path, _ in dynamo.seen] == ["/requests", "/urllib3", "/pool"]
+    assert dynamo.headers("x-dynamo-session-id") == [report["session"]] * 3
+    assert other.headers("x-dynamo-session-id") == [None] and other.headers("baggage") == [None]
