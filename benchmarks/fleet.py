@@ -51,6 +51,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,6 +71,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 AFFINITY_TTL = 300
 SAMPLE_SECONDS = 0.02
+SATURATED = 0.85  # mean busy fraction of all cores above which a run measured the machine, not the model
 _VOCABULARY = (
     "session worker router prefix cache token model request response latency stream agent tool user "
     "reward policy gradient rollout episode trajectory sample batch decode prefill attention layer "
@@ -86,6 +88,8 @@ class Arm:
     router: str
     keying: str  # "none", "attempt", "prompt", "groups:K" or "auto"
     mode: str = "hard"
+    affinity: bool = True  # the frontend runs with session affinity; off: the header is sent and ignored
+    frontend_args: tuple[str, ...] = ()
 
 
 ARMS: dict[str, Arm] = {
@@ -101,6 +105,20 @@ ARMS: dict[str, Arm] = {
         Arm("kv+auto", "kv", "auto"),
         Arm("rr+attempt", "round-robin", "attempt"),
         Arm("kv+attempt/soft", "kv", "attempt", "soft"),
+        Arm("kv+default/soft", "kv", "default", "soft"),
+        Arm("kv+header/off", "kv", "default", affinity=False),
+        Arm("kv+default/predicted", "kv", "default", frontend_args=("--router-predicted-ttl-secs", "5")),
+        Arm(
+            "kv+default/busy",
+            "kv",
+            "default",
+            frontend_args=(
+                "--active-decode-blocks-threshold",
+                "0.85",
+                "--active-prefill-tokens-threshold",
+                "4096",
+            ),
+        ),
     )
 }
 
@@ -159,6 +177,7 @@ class Request:
     ttft_ms: float | None
     start: float
     end: float
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -207,6 +226,7 @@ async def _attempt(client: Any, model: str, cell: Cell, seed: int, p: int, s: in
                         ttft_ms=ttft_ms_of(response),
                         start=start,
                         end=time.perf_counter(),
+                        completion_tokens=usage.completion_tokens if usage else 0,
                     )
                 )
                 messages.append({"role": "assistant", "content": response.choices[0].message.content or ""})
@@ -234,6 +254,88 @@ async def run_step(
     finally:
         await client.close()
     return list(attempts), time.perf_counter() - began
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores from /proc/stat; (0, 0) where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class CpuWatch:
+    """The machine's busy fraction (all cores) over a run, sampled every half second: the mocker times
+    prefill and decode in wall-clock time, so a run that saturated the cores measured the machine."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = _cpu_times()
+        while not self._stop.wait(0.5):
+            now = _cpu_times()
+            total = now[1] - last[1]
+            if total > 0:
+                self.samples.append((now[0] - last[0]) / total)
+            last = now
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def figures(self) -> dict[str, float | bool | None]:
+        if not self.samples:
+            return {"cpu_busy": None, "cpu_busy_p90": None, "saturated": False}
+        ordered = sorted(self.samples)
+        mean = statistics.fmean(ordered)
+        return {
+            "cpu_busy": mean,
+            "cpu_busy_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "saturated": mean > SATURATED,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0..1) of ``values``; ``None`` for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def step_figures(requests: Sequence[Request], workers: int) -> dict[str, Any]:
+    """What a GRPO step costs: the makespan (first request sent to last response), tokens/s of the
+    fleet over it, TTFT p50/p90/p99 of every turn, and the busiest worker's share of the turns."""
+    if not requests:
+        return {
+            "makespan_s": 0.0, "tokens_per_s": 0.0, "ttft_p50_ms": None, "ttft_p99_ms": None,
+            "busiest_share": 0.0, "busiest_x_fair": 0.0,
+        }  # fmt: skip
+    makespan = max(r.end for r in requests) - min(r.start for r in requests)
+    tokens = sum(r.prompt_tokens + r.completion_tokens for r in requests)
+    ttfts = [r.ttft_ms for r in requests if r.ttft_ms is not None]
+    per_worker: dict[int | None, int] = {}
+    for r in requests:
+        per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
+    busiest = max(per_worker.values()) / len(requests)
+    return {
+        "makespan_s": makespan,
+        "tokens_per_s": tokens / makespan if makespan > 0 else 0.0,
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p99_ms": percentile(ttfts, 0.99),
+        "busiest_share": busiest,
+        "busiest_x_fair": busiest * workers,  # 1.0: every worker served as many turns
+    }
 
 
 def _balance(requests: Sequence[Request], workers: int) -> float:
@@ -322,19 +424,23 @@ def measure(attempts: Sequence[Attempt], cell: Cell, wall: float, group: int | N
         if by_prompt
         else 0.0,
         "wall_s": wall,
+        **step_figures(reqs, cell.workers),
     }
 
 
-def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
+def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0) -> dict[str, Any]:
     """A fresh stack for one arm of one repeat: the fleet's caches start cold for every arm."""
     load_before = os.getloadavg()[0]
+    watch = CpuWatch()
     with LocalDynamo(
         workers=cell.workers,
         workers_per_process=cell.workers,
         router_mode=arm.router,
-        affinity_ttl_secs=AFFINITY_TTL,
+        affinity_ttl_secs=AFFINITY_TTL if arm.affinity else None,
         affinity_mode=arm.mode,  # type: ignore[arg-type]
         block_size=BLOCK_SIZE,
+        speedup_ratio=speedup,
+        frontend_args=list(arm.frontend_args),
         worker_args=["--num-gpu-blocks-override", str(cell.blocks)],
         startup_timeout=120,
     ) as stack:
@@ -345,7 +451,10 @@ def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
             )
             setting = str(settings.siblings)  # what the library resolved, its default included
         try:
-            attempts, wall = asyncio.run(run_step(stack.base_url, stack.model_name, cell, arm.keying, seed))
+            with watch:
+                attempts, wall = asyncio.run(
+                    run_step(stack.base_url, stack.model_name, cell, arm.keying, seed)
+                )
         finally:
             otel_session.unconfigure()
     row = {
@@ -355,6 +464,9 @@ def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
         "router": arm.router,
         "keying": arm.keying,
         "mode": arm.mode,
+        "affinity": arm.affinity,
+        "frontend_args": list(arm.frontend_args),
+        "speedup": speedup,
         "group_size": group_size(setting, cell),
         "siblings_setting": setting,
         "keying_impl": "api",  # configure(siblings=...) + trajectory(group=p); earlier rows: nested
@@ -362,17 +474,24 @@ def run_arm(cell: Cell, arm: Arm, seed: int) -> dict[str, Any]:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         **measure(attempts, cell, wall, group_size(setting, cell)),
+        **watch.figures(),
     }
     return row
 
 
 def run_cell(
-    cell: Cell, arms: Sequence[Arm], repeats: int, seed0: int, sink: list[dict[str, Any]], out: Path | None
+    cell: Cell,
+    arms: Sequence[Arm],
+    repeats: int,
+    seed0: int,
+    sink: list[dict[str, Any]],
+    out: Path | None,
+    speedup: float = 1.0,
 ) -> None:
     for rep in range(repeats):
         order = list(arms[rep % len(arms) :]) + list(arms[: rep % len(arms)])
         for arm in order:
-            row = run_arm(cell, arm, seed0 + rep)
+            row = run_arm(cell, arm, seed0 + rep, speedup)
             row["repeat"] = rep
             sink.append(row)
             print(_line(row), flush=True)
@@ -385,14 +504,18 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 HEADER = (
-    "| cell | arm | rep | hit 2+ | ceil 2+ | hit all | ceil all | TTFT ms | p90 | TTFT all | turns/s | "
-    "balance | used | switch | pinned | err | load |\n|" + "---|" * 17
+    "| cell | arm | rep | step s | tok/s | busiest x fair | cpu | hit 2+ | ceil 2+ | hit all | ceil all | "
+    "TTFT ms | p90 | TTFT all | turns/s | "
+    "balance | used | switch | pinned | err | load |\n|" + "---|" * 21
 )
 
 
 def _line(r: dict[str, Any]) -> str:
     return (
-        f"| {r['cell']} | {r['arm']} | {r.get('repeat', 0)} | {r['hit_rate']:.3f} | {r['ceiling']:.3f} | "
+        f"| {r['cell']} | {r['arm']} | {r.get('repeat', 0)} | {r.get('makespan_s', r['wall_s']):.1f} | "
+        f"{r.get('tokens_per_s', 0.0):.0f} | {r.get('busiest_x_fair', 0.0):.1f} | "
+        f"{_fmt(r.get('cpu_busy'), '.0%')}{' SAT' if r.get('saturated') else ''} | "
+        f"{r['hit_rate']:.3f} | {r['ceiling']:.3f} | "
         f"{r['hit_rate_all']:.3f} | {r['ceiling_all']:.3f} | {_fmt(r['ttft_ms'], '.0f')} | "
         f"{_fmt(r['ttft_p90_ms'], '.0f')} | {_fmt(r['ttft_all_ms'], '.0f')} | {r['turns_per_s']:.1f} | "
         f"{r['balance']:.2f} | {r['workers_used']} | {r['switches']:.2f} | "
@@ -430,6 +553,50 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{sum(r['pinned'] for r in rs)}/{sum(r['trajectories'] for r in rs)} | "
             f"{sum(r['errors'] for r in rs)} | {col('load_before', '.1f')} |"
         )
+    return "\n".join(lines)
+
+
+def step_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The headline: each arm's step makespan against kv routing alone and round-robin in the same
+    cell and speedup (means over repeats), with the arm's own spread, kv's spread, TTFT p50/p90/p99,
+    tokens/s, the busiest worker's turns over a fair share, the CPU's busy fraction, and the verdict:
+    "slower" when the arm's fastest repeat is slower than kv's slowest (outside both spreads)."""
+    cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        if "makespan_s" in r:
+            cells.setdefault((r["cell"], r.get("speedup", 1.0)), {}).setdefault(r["arm"], []).append(r)
+    lines = [
+        "| cell | speedup | arm | runs | step s (spread) | x kv | x rr | tok/s | TTFT p50/p90/p99 ms | "
+        "hit 2+ | busiest x fair | cpu busy | vs kv |",
+        "|" + "---|" * 13,
+    ]
+    for (cell, speedup), arms in cells.items():
+        base, rr = arms.get("kv"), arms.get("rr")
+
+        def mean(rs: list[dict[str, Any]], key: str) -> float:
+            values = [r[key] for r in rs if r.get(key) is not None]
+            return statistics.fmean(values) if values else math.nan
+
+        for arm, rs in arms.items():
+            step = mean(rs, "makespan_s")
+            x_kv = f"{step / mean(base, 'makespan_s'):.2f}" if base else "-"
+            x_rr = f"{step / mean(rr, 'makespan_s'):.2f}" if rr else "-"
+            verdict = "-"
+            if base and arm != "kv":
+                slower = min(r["makespan_s"] for r in rs) > max(r["makespan_s"] for r in base)
+                faster = max(r["makespan_s"] for r in rs) < min(r["makespan_s"] for r in base)
+                verdict = "slower" if slower else "faster" if faster else "within spread"
+            sat = sum(bool(r.get("saturated")) for r in rs)
+            lines.append(
+                f"| {cell} | {speedup:g} | {arm} | {len(rs)} | "
+                f"{step:.1f} ({_span([r['makespan_s'] for r in rs], '.1f')}) "
+                f"| {x_kv} | {x_rr} | {mean(rs, 'tokens_per_s'):.0f} | "
+                f"{mean(rs, 'ttft_p50_ms'):.0f}/{mean(rs, 'ttft_p90_ms'):.0f}/"
+                f"{mean(rs, 'ttft_p99_ms'):.0f} | "
+                f"{mean(rs, 'hit_rate'):.2f} | {mean(rs, 'busiest_x_fair'):.1f} | "
+                f"{_span([r['cpu_busy'] for r in rs if r.get('cpu_busy') is not None], '.0%')}"
+                f"{f' ({sat} saturated)' if sat else ''} | {verdict} |"
+            )
     return "\n".join(lines)
 
 
@@ -702,6 +869,12 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     parser.add_argument("--out", type=Path, default=RESULTS / "fleet.json")
     parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="the mocker's --speedup-ratio (below 1: slower, less CPU-bound)",
+    )
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = sink if sink is not None else []
     if args.plot_only or args.append:
@@ -720,7 +893,9 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
         print(HEADER)
         for cell in cells:
-            run_cell(cell, arms, repeats, args.seed, rows, None if args.quick else args.out)
+            run_cell(cell, arms, repeats, args.seed, rows, None if args.quick else args.out, args.speedup)
+    print()
+    print(step_table(rows))
     print()
     print(summary_table(rows))
     print()

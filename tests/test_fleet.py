@@ -13,7 +13,10 @@ from benchmarks.fleet import (
     group_size,
     main,
     measure,
+    percentile,
     siblings_of,
+    step_figures,
+    step_table,
 )
 
 
@@ -35,6 +38,48 @@ def test_figures_of_a_hand_made_step() -> None:
     # Two requests in flight on two of 4 workers at any instant: max 1 over a mean of 0.5.
     assert fig["balance"] == pytest.approx(2.0)
     assert fig["ttft_ms"] == pytest.approx(20.0) and fig["ttft_all_ms"] == pytest.approx(15.0)
+
+
+def test_the_step_is_timed_from_the_first_request_to_the_last_response() -> None:
+    early = Request(0, 1, 100, 0, ttft_ms=10.0, start=1.0, end=2.0, completion_tokens=10)
+    late = Request(1, 1, 200, 96, ttft_ms=30.0, start=2.5, end=5.0, completion_tokens=10)
+    other = Request(0, 2, 100, 0, ttft_ms=20.0, start=1.5, end=3.0, completion_tokens=10)
+    fig = step_figures([early, late, other], workers=4)
+    assert fig["makespan_s"] == pytest.approx(4.0)  # 1.0 to 5.0, whatever the wall clock around it
+    assert fig["tokens_per_s"] == pytest.approx(430 / 4.0)
+    assert fig["ttft_p50_ms"] == 20.0 and fig["ttft_p99_ms"] == 30.0
+    assert fig["busiest_share"] == pytest.approx(2 / 3)  # worker 1 served two of the three turns
+    assert fig["busiest_x_fair"] == pytest.approx(8 / 3)  # 4 workers: a fair share is a quarter
+    assert step_figures([], workers=4)["makespan_s"] == 0.0
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50.0 and percentile(values, 0.9) == 90.0
+    assert percentile(values, 0.99) == 99.0 and percentile([7.0], 0.99) == 7.0
+    assert percentile([], 0.5) is None
+
+
+def _step_row(arm: str, makespan: float, rep: int = 0) -> dict[str, object]:
+    return {
+        "cell": "32w 256blk 16x8", "arm": arm, "speedup": 0.4, "makespan_s": makespan, "repeat": rep,
+        "tokens_per_s": 1000.0, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "ttft_p99_ms": 30.0,
+        "hit_rate": 0.5, "busiest_x_fair": 1.0, "cpu_busy": 0.5, "saturated": False,
+    }  # fmt: skip
+
+
+def test_the_step_table_judges_each_arm_by_both_spreads() -> None:
+    rows = [
+        _step_row("kv", 20.0), _step_row("kv", 22.0, 1), _step_row("rr", 30.0),
+        _step_row("slow", 23.0), _step_row("slow", 24.0, 1),
+        _step_row("same", 21.0), _step_row("same", 23.0, 1),
+        _step_row("fast", 18.0), _step_row("fast", 19.0, 1),
+    ]  # fmt: skip
+    lines = {line.split(" | ")[2]: line for line in step_table(rows).splitlines()[2:]}
+    assert lines["slow"].endswith("| slower |") and "| 1.12 | 0.78 |" in lines["slow"]
+    assert lines["same"].endswith("| within spread |")
+    assert lines["fast"].endswith("| faster |")
+    assert lines["kv"].endswith("| - |") and "21.0 (20.0-22.0)" in lines["kv"]
 
 
 def test_one_busy_worker_is_unbalanced() -> None:
@@ -69,6 +114,10 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["hit_rate"] <= r["ceiling"] + 1e-9  # type: ignore[operator]
         if r["keying"] != "none":
             assert r["pinned"] == r["trajectories"], r
+        assert 0 < r["makespan_s"] <= r["wall_s"] + 1e-6, r  # type: ignore[operator]
+        assert r["tokens_per_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0, r  # type: ignore[operator]
+        assert r["cpu_busy"] is None or 0.0 <= r["cpu_busy"] <= 1.0, r  # type: ignore[operator]
+    assert "| step s (spread) | x kv | x rr |" in out
     default = next(r for r in rows if r["arm"] == "kv+default")
     assert default["siblings_setting"] == "groups:2" and default["group_size"] == 2
     assert default["groups_together"] == 1.0  # each pair of siblings named one parent: one worker
