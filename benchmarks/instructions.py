@@ -1,11 +1,10 @@
 """CPU instructions per loopback httpx request, per configuration, counted under valgrind.
 
     python benchmarks/instructions.py             # 5 configurations x 5 layouts x 2 counts: 4-10 minutes
-    python benchmarks/instructions.py --client requests   # the same for requests (bare, trajectory,
-                                                  # outside, upstream = opentelemetry-instrumentation-requests)
-    python benchmarks/instructions.py --client pool       # a trivial task's submit+result on a one-thread
-                                                  # ThreadPoolExecutor (bare; outside and trajectory: configured,
-                                                  # so upstream's threading instrumentation is on)
+    python benchmarks/instructions.py --client requests  # the same for requests (upstream:
+                                  # opentelemetry-instrumentation-requests)
+    python benchmarks/instructions.py --client pool      # submit+result of a trivial task on a one-thread
+                                  # ThreadPoolExecutor (outside, trajectory: configured, threading on)
     python benchmarks/instructions.py --quick     # 2 layouts, fewer requests: a smoke check, 1-3 minutes
     python benchmarks/instructions.py --library DIR   # the otel_session in DIR instead of the installed one
 
@@ -513,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = machine()
     meta.update(
         {
-            "view": f"CPU instructions per {args.client} request (pool: task), each configuration under valgrind",
+            "view": f"CPU instructions per {args.client} request (pool: task), under valgrind",
             "client": args.client,
             "date": time.strftime("%Y-%m-%d"),
             "valgrind": version,
