@@ -1,6 +1,10 @@
 """CPU instructions per loopback httpx request, per configuration, counted under valgrind.
 
     python benchmarks/instructions.py             # 5 configurations x 5 layouts x 2 counts: 4-10 minutes
+    python benchmarks/instructions.py --client requests  # the same for requests (upstream:
+                                  # opentelemetry-instrumentation-requests)
+    python benchmarks/instructions.py --client pool      # submit+result of a trivial task on a one-thread
+                                  # ThreadPoolExecutor (outside, trajectory: configured, threading on)
     python benchmarks/instructions.py --quick     # 2 layouts, fewer requests: a smoke check, 1-3 minutes
     python benchmarks/instructions.py --library DIR   # the otel_session in DIR instead of the installed one
 
@@ -69,6 +73,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "instructions.json"
 CONFIGS = ("bare", "least", "trajectory", "outside", "upstream")
+CLIENTS = {  # the configurations each client's loop can run
+    "httpx": CONFIGS,
+    "requests": ("bare", "trajectory", "outside", "upstream"),
+    "pool": ("bare", "trajectory", "outside"),
+}
 LABELS = {
     "bare": "a bare request, no otel-session",
     "least": "the least hook: a wrapt wrapper appending one fixed header",
@@ -87,7 +96,7 @@ SHIFT_PER_LAYOUT = 7  # throwaway classes per layout index
 # --- the worker: one configuration, one request count, run under valgrind ---------------------------
 
 
-def install(config: str, authority: str, url: str) -> Any:
+def install(config: str, authority: str, url: str, client: str = "httpx") -> Any:
     """Set the process up as ``config`` says; returns the opener of a chunk's context."""
     if config == "least":
         from overhead_worker import install_least_hook  # this script's directory is sys.path[0]
@@ -99,6 +108,10 @@ def install(config: str, authority: str, url: str) -> Any:
         otel_session.configure(dynamo_hosts=[authority], tracing=False)
         if config == "trajectory":
             return otel_session.trajectory
+    elif config == "upstream" and client == "requests":
+        from opentelemetry.instrumentation.requests import RequestsInstrumentor
+
+        RequestsInstrumentor().instrument()
     elif config == "upstream":
         from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
@@ -106,22 +119,40 @@ def install(config: str, authority: str, url: str) -> Any:
     return contextlib.nullcontext
 
 
-def worker(config: str, url: str, n: int, warm: int, chunk: int, shift: int) -> dict[str, Any]:
-    """Send ``warm`` then ``n`` requests (chunks of ``chunk``, each in a context) and one check."""
+def _task() -> int:
+    """The trivial task of ``--client pool``."""
+    return 1
+
+
+def worker(
+    config: str, url: str, n: int, warm: int, chunk: int, shift: int, kind: str = "httpx"
+) -> dict[str, Any]:
+    """Send ``warm`` then ``n`` requests (or pool tasks; chunks of ``chunk``, each in a context) and
+    one check request (for ``pool``, sent from a pool task)."""
     shifted = [type(f"Shift{index}", (), {}) for index in range(shift)]
     for cls in shifted:
         getattr(cls, "anything", None)  # gives each its version tag now, as a type in use has
-    import httpx
+    if kind == "httpx":
+        import httpx
 
-    opener = install(config, url.split("//", 1)[1], url)
+        client: Any = httpx.Client()
+    else:
+        import requests
+
+        client = requests.Session()
+    pool = ThreadPoolExecutor(max_workers=1) if kind == "pool" else None
+    opener = install(config, url.split("//", 1)[1], url, kind)
     target = f"{url}/v1/chat/completions"
-    with httpx.Client() as client:
+    with client:
 
         def chunks(count: int) -> None:
             for start in range(0, count, chunk):
                 with opener():
                     for _ in range(min(chunk, count - start)):
-                        client.post(target, json=PAYLOAD).raise_for_status()
+                        if pool is not None:
+                            pool.submit(_task).result()
+                        else:
+                            client.post(target, json=PAYLOAD).raise_for_status()
 
         chunks(warm)
         gc.collect()
@@ -129,7 +160,13 @@ def worker(config: str, url: str, n: int, warm: int, chunk: int, shift: int) -> 
         chunks(n)
         after = [stats["collections"] for stats in gc.get_stats()]
         with opener():
-            client.post(f"{url}{CHECK}/{config}", json=PAYLOAD).raise_for_status()
+            check = f"{url}{CHECK}/{config}"
+            if pool is not None:
+                pool.submit(lambda: client.post(check, json=PAYLOAD).raise_for_status()).result()
+            else:
+                client.post(check, json=PAYLOAD).raise_for_status()
+    if pool is not None:
+        pool.shutdown()
     return {
         "config": config,
         "n": n,
@@ -164,6 +201,7 @@ class Setup:
     chunk: int
     library: Path | None
     scratch: Path
+    client: str = "httpx"
 
 
 def worker_env(layout: int, library: Path | None) -> dict[str, str]:
@@ -184,6 +222,7 @@ def worker_command(job: Job, setup: Setup) -> list[str]:
         *("--url", setup.url, "--n", str(job.n), "--warm", str(setup.warm)),
         *("--per-trajectory", str(setup.chunk), "--shift", str(SHIFT_PER_LAYOUT * job.layout)),
     ]
+    options += ["--client", setup.client]
     return [sys.executable, str(Path(__file__).resolve()), "--worker", job.config, *options]
 
 
@@ -308,9 +347,10 @@ def kilo_range(figure: dict[str, float]) -> str:
     return f"{figure['min'] / 1e3:+.1f}..{figure['max'] / 1e3:+.1f}"
 
 
-def print_table(rows: list[dict[str, Any]], layouts: int, n1: int, n2: int) -> None:
+def print_table(rows: list[dict[str, Any]], layouts: int, n1: int, n2: int, client: str = "httpx") -> None:
+    what = "pool task (submit+result)" if client == "pool" else f"loopback {client} request"
     print(
-        f"\n  Instructions per loopback httpx request, (I(N={n2}) - I(N={n1})) / {n2 - n1}, "
+        f"\n  Instructions per {what}, (I(N={n2}) - I(N={n1})) / {n2 - n1}, "
         f"median over {layouts} layouts [lowest..highest]:"
     )
     print(
@@ -395,23 +435,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"requests per trajectory() (default {PER_TRAJECTORY}; 100000: one long trajectory per run)",
     )
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {','.join(CONFIGS)} run")
+    parser.add_argument("--client", choices=sorted(CLIENTS), default="httpx", help="what each request is")
     parser.add_argument("--jobs", type=int, default=2, help="valgrind processes at once (default 2)")
     parser.add_argument("--library", type=Path, help="directory holding the otel_session to measure")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help=f"default {RESULTS} (instructions-CLIENT.json but httpx)")
     parser.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--shift", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        facts = worker(args.worker, args.url, args.n, args.warm, args.per_trajectory, args.shift)
+        facts = worker(args.worker, args.url, args.n, args.warm, args.per_trajectory, args.shift, args.client)
         print(json.dumps(facts), flush=True)
         return 0
 
     n1 = args.n1 or (60 if args.quick else 150)
     n2 = args.n2 or (300 if args.quick else 750)
     layouts = args.layouts or (2 if args.quick else 5)
-    configs = [config for config in CONFIGS if config in args.configs.split(",")]
+    configs = [config for config in CLIENTS[args.client] if config in args.configs.split(",")]
+    out = args.out or (
+        RESULTS if args.client == "httpx" else RESULTS.with_name(f"instructions-{args.client}.json")
+    )
     if not configs or n2 <= n1 or layouts < 1:
         parser.error("need at least one known configuration, N2 > N1 and at least one layout")
     version = valgrind_version()
@@ -422,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     library = args.library.resolve() if args.library else None
     print(
-        f"Instructions: {len(configs)} configurations x {layouts} layouts x N={n1} and N={n2} httpx sync "
+        f"Instructions: {len(configs)} configurations x {layouts} layouts x N={n1} and N={n2} {args.client} "
         f"requests over loopback, each a fresh process under {version} (cachegrind, no cache model), "
         f"{args.jobs} at a time",
         flush=True,
@@ -431,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with LoopbackServer() as server, tempfile.TemporaryDirectory(prefix="instructions-") as scratch:
         commit = library_commit(library)
         copy = snapshot(library, Path(scratch) / "library")
-        setup = Setup(server.urls[0], args.warm, args.per_trajectory, copy, Path(scratch))
+        setup = Setup(server.urls[0], args.warm, args.per_trajectory, copy, Path(scratch), args.client)
         for config in configs:
             prime(config, setup)
         jobs = [Job(config, n, layout) for layout in range(layouts) for config in configs for n in (n1, n2)]
@@ -458,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for config in configs
     }
     rows = summarize(runs, configs, layouts, n1, n2)
-    print_table(rows, layouts, n1, n2)
+    print_table(rows, layouts, n1, n2, args.client)
     failed = [config for config, ok in checks.items() if not ok]
     print(
         "  session header check: "
@@ -468,7 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = machine()
     meta.update(
         {
-            "view": "CPU instructions per loopback httpx request, each configuration under valgrind",
+            "view": f"CPU instructions per {args.client} request (pool: task), under valgrind",
+            "client": args.client,
             "date": time.strftime("%Y-%m-%d"),
             "valgrind": version,
             "tool": "cachegrind --cache-sim=no (I refs)",
@@ -484,8 +529,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     )
     document = {"meta": meta, "rows": rows, "header_check": checks, "headers_sent_to_dynamo": sent}
-    write_results(args.out, document)
-    print(f"  wrote {args.out}")
+    write_results(out, document)
+    print(f"  wrote {out}")
     return 0 if not failed else 1
 
 
