@@ -19,6 +19,13 @@ common parent session (``X-Dynamo-Parent-Session-ID``). The arms:
                      (groups:K with K = ceil(G / max(1, workers // prompts)))
     rr+attempt       round-robin, a session per attempt
     kv+attempt/soft  kv, a session per attempt, soft affinity
+    kv+default/soft  kv, the default, soft affinity
+    kv+header/off    kv, the default's headers, session affinity OFF at the frontend (what ``doctor
+                     --layout one-kv`` recommends: the header is sent and ignored)
+    kv+default/predicted, kv+default/busy   the default with ``--router-predicted-ttl-secs 5``, or
+                     with Dynamo's busy thresholds (which reject work: errors are counted)
+    3fe:...          three frontend replicas over the same workers behind nginx, round-robin
+                     (``3fe-hash:``: hashing ``X-Dynamo-Session-ID``), with kv or round-robin routers
 
 (Rows with ``"keying_impl": "nested"`` absent were measured before the siblings API existed, with
 nested trajectories sending the same headers: an outer trajectory per group around its siblings.)
@@ -33,6 +40,13 @@ the siblings' shared prompt on turn 1, TTFT mean and p90 (Dynamo's ``nvext.timin
 turns per second, load balance (max over mean requests in flight per worker, sampled every 20 ms
 from each request's start, end and serving worker), workers used, worker switches per trajectory,
 trajectories pinned. The machine's load average is recorded beside each run.
+
+The headline is the step (``step_table``): its makespan, first request sent to last response, since
+a GRPO step waits for its slowest trajectory; beside it the fleet's tokens/s, TTFT p50/p90/p99, the
+busiest worker's turns over a fair share, and the cores' busy fraction over the run (``/proc/stat``;
+"saturated" above 85 %: the mocker times prefill and decode in wall-clock time, so such a run
+measured the machine). ``--speedup`` slows the mocker (``--speedup-ratio``): a ratio that holds at
+two speedups is the simulator's, not the CPU's.
 
     python benchmarks/fleet.py --quick                      # a couple of minutes: 8 workers, 4 arms
     python benchmarks/fleet.py --cells issue --repeats 3    # the three cells issue 29 names
@@ -53,7 +67,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +104,8 @@ class Arm:
     mode: str = "hard"
     affinity: bool = True  # the frontend runs with session affinity; off: the header is sent and ignored
     frontend_args: tuple[str, ...] = ()
+    frontends: int = 1  # more than one: replicas behind nginx (benchmarks/frontends.py), balancing as below
+    balancer: str = "rr"  # "rr": round-robin, "hash": consistent hashing on X-Dynamo-Session-ID
 
 
 ARMS: dict[str, Arm] = {
@@ -107,6 +123,12 @@ ARMS: dict[str, Arm] = {
         Arm("kv+attempt/soft", "kv", "attempt", "soft"),
         Arm("kv+default/soft", "kv", "default", "soft"),
         Arm("kv+header/off", "kv", "default", affinity=False),
+        Arm("3fe:kv", "kv", "none", frontends=3),
+        Arm("3fe:kv+header/off", "kv", "default", affinity=False, frontends=3),
+        Arm("3fe:kv+default", "kv", "default", frontends=3),
+        Arm("3fe-hash:kv+default", "kv", "default", frontends=3, balancer="hash"),
+        Arm("3fe:rr", "round-robin", "none", frontends=3),
+        Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
         Arm("kv+default/predicted", "kv", "default", frontend_args=("--router-predicted-ttl-secs", "5")),
         Arm(
             "kv+default/busy",
@@ -428,33 +450,45 @@ def measure(attempts: Sequence[Attempt], cell: Cell, wall: float, group: int | N
     }
 
 
+@contextlib.contextmanager
+def _balanced(frontends: list[str], arm: Arm) -> Iterator[tuple[str, list[str]]]:
+    """(base URL, router hosts) the load goes to: the one frontend, or nginx in front of several."""
+    if arm.frontends <= 1:
+        yield f"http://{frontends[0]}/v1", frontends
+        return
+    from benchmarks.frontends import Nginx
+
+    with Nginx(frontends, hash_session=arm.balancer == "hash") as nginx:
+        yield nginx.base_url, [nginx.host]
+
+
 def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0) -> dict[str, Any]:
     """A fresh stack for one arm of one repeat: the fleet's caches start cold for every arm."""
     load_before = os.getloadavg()[0]
     watch = CpuWatch()
-    with LocalDynamo(
-        workers=cell.workers,
-        workers_per_process=cell.workers,
-        router_mode=arm.router,
-        affinity_ttl_secs=AFFINITY_TTL if arm.affinity else None,
-        affinity_mode=arm.mode,  # type: ignore[arg-type]
-        block_size=BLOCK_SIZE,
-        speedup_ratio=speedup,
-        frontend_args=list(arm.frontend_args),
-        worker_args=["--num-gpu-blocks-override", str(cell.blocks)],
-        startup_timeout=120,
-    ) as stack:
+    with (
+        LocalDynamo(
+            workers=cell.workers,
+            workers_per_process=cell.workers,
+            router_mode=arm.router,
+            affinity_ttl_secs=AFFINITY_TTL if arm.affinity else None,
+            affinity_mode=arm.mode,  # type: ignore[arg-type]
+            block_size=BLOCK_SIZE,
+            speedup_ratio=speedup,
+            frontends=arm.frontends,
+            frontend_args=list(arm.frontend_args),
+            worker_args=["--num-gpu-blocks-override", str(cell.blocks)],
+            startup_timeout=120,
+        ) as stack,
+        _balanced(stack.hosts, arm) as (base_url, hosts),
+    ):
         setting = "none"
         if arm.keying != "none":
-            settings = otel_session.configure(
-                dynamo_hosts=stack.hosts, siblings=siblings_of(arm.keying, cell)
-            )
+            settings = otel_session.configure(dynamo_hosts=hosts, siblings=siblings_of(arm.keying, cell))
             setting = str(settings.siblings)  # what the library resolved, its default included
         try:
             with watch:
-                attempts, wall = asyncio.run(
-                    run_step(stack.base_url, stack.model_name, cell, arm.keying, seed)
-                )
+                attempts, wall = asyncio.run(run_step(base_url, stack.model_name, cell, arm.keying, seed))
         finally:
             otel_session.unconfigure()
     row = {
@@ -465,6 +499,8 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0) -> dict[str, 
         "keying": arm.keying,
         "mode": arm.mode,
         "affinity": arm.affinity,
+        "frontends": arm.frontends,
+        "balancer": arm.balancer,
         "frontend_args": list(arm.frontend_args),
         "speedup": speedup,
         "group_size": group_size(setting, cell),

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from otel_session.dynamo import DynamoInstallError, LocalDynamo, _checks
 from otel_session.dynamo.cli import Progress, Verdict
 from otel_session.dynamo.doctor import diagnose
-from otel_session.dynamo.sizing import sizing_note
+from otel_session.dynamo.sizing import sizing_note, step_advice
 from otel_session.dynamo.workload import Summary
 from tests.loopback import AsgiServer
 
@@ -502,6 +502,22 @@ def test_doctor_on_a_deployment_without_affinity_names_the_flag(
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "[FAIL] sessions pinned" in proc.stdout
     assert "--router-session-affinity-ttl-secs" in proc.stdout
+    assert "--layout one-kv" in proc.stdout  # and where affinity off is the recommended setting
+
+
+def test_doctor_for_one_kv_frontend_takes_affinity_off_as_the_recommended_setting(
+    dynamo_stack_no_affinity: LocalDynamo,
+) -> None:
+    url = dynamo_stack_no_affinity.base_url
+    proc = run_cli("doctor", "--base-url", url, "--layout", "one-kv", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    assert (
+        checks["sessions pinned"]["ok"]
+        and "affinity is off, as recommended" in checks["sessions pinned"]["detail"]
+    )
+    assert checks["step time"]["detail"] == step_advice("one-kv")
+    assert checks["header sent"]["ok"]  # the header still leaves the process on every session request
 
 
 def test_doctor_with_a_model_the_frontend_does_not_serve_names_the_ones_it_does(

@@ -10,11 +10,13 @@ from otel_session.dynamo import LocalDynamo
 from otel_session.dynamo.doctor import diagnose
 from otel_session.dynamo.sizing import (
     BUDGET,
+    LAYOUTS,
     SIBLINGS_RULE,
     largest_step_ttl,
     sibling_group_size,
     siblings_note,
     siblings_setting,
+    step_advice,
     step_bindings,
     step_note,
     step_rule,
@@ -102,3 +104,14 @@ def test_the_step_rule_counts_whole_steps() -> None:
     assert "the bindings of 6 steps fit" in step_rule(8192) and "within 6 step intervals" in step_rule(8192)
     assert "no TTL fits" in step_rule(BUDGET + 1) and "529" in step_rule(BUDGET + 1)
     assert "the bindings of 1 step fit" in step_rule(BUDGET) and "1 step interval " in step_rule(BUDGET)
+
+
+def test_step_advice_follows_what_the_router_can_see() -> None:
+    one_kv, unaware, both = step_advice("one-kv"), step_advice("unaware"), step_advice(None)
+    assert "leave session affinity off" in one_kv and "--router-session-affinity-ttl-secs 600" not in one_kv
+    assert "turn session affinity on (--router-session-affinity-ttl-secs 600)" in unaware
+    assert (
+        "hash the balancer on X-Dynamo-Session-ID" in unaware and "leave session affinity off" not in unaware
+    )
+    assert one_kv.rstrip(".") in both and unaware.rstrip(".") in both
+    assert set(LAYOUTS) == {"one-kv", "unaware"}

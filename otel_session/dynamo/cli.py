@@ -35,7 +35,7 @@ import otel_session
 from otel_session import _evidence
 from otel_session.dynamo import _checks
 from otel_session.dynamo._library_log import each_warning_once
-from otel_session.dynamo.sizing import FULL_ANSWER
+from otel_session.dynamo.sizing import FULL_ANSWER, LAYOUTS
 
 if TYPE_CHECKING:  # imported when a run starts: a usage mistake is answered without loading them
     from otel_session.dynamo.workload import Summary, TrajectoryResult, Workload
@@ -493,7 +493,9 @@ def _doctor(args: argparse.Namespace) -> int:
     from otel_session.dynamo.doctor import diagnose
 
     batch = (args.prompts, args.siblings) if args.prompts and args.siblings else None
-    report = diagnose(args.base_url, model=args.model, requests=args.requests, batch=batch)
+    report = diagnose(
+        args.base_url, model=args.model, requests=args.requests, batch=batch, layout=args.layout
+    )
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -568,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print JSON instead of text")
     doctor.add_argument("--prompts", type=_whole(1, 1_000_000), help="GRPO batch: prompts per step")
     doctor.add_argument("--siblings", type=_whole(1, 10_000), help="GRPO batch: samples per prompt")
+    doctor.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        help="what the router sees: one-kv (one frontend, kv routing: affinity off is recommended) or "
+        "unaware (round-robin/random, or several frontends behind a balancer: affinity on)",
+    )
     doctor.set_defaults(func=_doctor)
     install = sub.add_parser(
         "install-dynamo", help="install Dynamo 1.6.1 for the local stack (pip, --no-deps)"

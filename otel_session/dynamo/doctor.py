@@ -18,7 +18,7 @@ import otel_session
 from otel_session import SESSION_HEADER, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
 from otel_session.dynamo._library_log import no_session_on_purpose
-from otel_session.dynamo.sizing import FULL_ANSWER, siblings_note, sizing_note, step_rule
+from otel_session.dynamo.sizing import FULL_ANSWER, siblings_note, sizing_note, step_advice, step_rule
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -90,8 +90,11 @@ def diagnose(
     requests: int = 6,
     sessions: int = 3,
     batch: tuple[int, int] | None = None,
+    layout: str | None = None,
 ) -> Report:
-    """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``).
+    """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``); ``layout``
+    (``sizing.LAYOUTS``) says what the router can see, so sessions that do not pin on one kv frontend
+    read as the setting recommended there, not as a failure.
 
     A URL that is not one, or that carries credentials (``user:password@``), is a :class:`ValueError`
     that does not repeat them: the report prints the URL. Some probes go outside any trajectory on
@@ -213,6 +216,13 @@ def diagnose(
             "run several workers (or a router that spreads load, e.g. --router-mode round-robin) and "
             "run doctor again",
         )
+    elif layout == "one-kv" and stuck < sessions:
+        report.add(
+            "sessions pinned",
+            True,
+            f"{stuck} of {sessions} probe sessions stayed on one worker: affinity is off, as recommended for "
+            "one frontend with kv routing (the header is sent and harmless)",
+        )
     else:
         report.add(
             "sessions pinned",
@@ -220,8 +230,10 @@ def diagnose(
             f"{stuck} of {sessions} probe sessions stayed on one worker over {requests} requests",
             f"start the Dynamo frontend with {AFFINITY_FLAG} 600 (session affinity is off by default); "
             f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
-            "let it through, and hash on it if several frontends sit behind a load balancer",
+            "let it through, and hash on it if several frontends sit behind a load balancer (on one frontend "
+            "with kv routing, affinity off is the recommended setting: pass --layout one-kv)",
         )
+    report.add("step time", True, step_advice(layout))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:
         _advise_siblings(report, base_url, *batch)

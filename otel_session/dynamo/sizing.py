@@ -193,3 +193,32 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         f"{workers} workers, {prompts} prompts x {siblings} siblings: OTEL_SESSION_SIBLINGS={setting} "
         f"({verdict}); the rule: {SIBLINGS_RULE}."
     )
+
+
+#: What decides a GRPO step's length on each kind of deployment (docs/performance.md, "Step time").
+LAYOUTS = ("one-kv", "unaware")
+
+
+def step_advice(layout: str | None) -> str:
+    """How to run the router for the shortest step, by what the router can see: ``one-kv`` (one
+    frontend with ``--router-mode kv``), ``unaware`` (round-robin or random routing, or several
+    frontends behind a balancer) or ``None`` (not said: both). otel-session sends the header either
+    way; the frontend's affinity flag decides whether it pins."""
+    one_kv = (
+        "one frontend with kv routing: leave session affinity off (no --router-session-affinity-ttl-secs). "
+        "The kv router already follows each turn's cache and still balances load; with hard affinity on, "
+        "pinned trajectories could not leave a crowded worker and the step measured up to 1.2x kv routing "
+        "alone's where caches are tight, for a higher hit rate. Without the flag the header is harmless: "
+        "the step is kv routing's"
+    )
+    unaware = (
+        "a router that cannot see the caches (round-robin or random routing, or several frontends behind "
+        "a balancer): turn session affinity on (--router-session-affinity-ttl-secs 600) and hash the "
+        "balancer on X-Dynamo-Session-ID; there every turn otherwise lands cold and sessions shorten the "
+        "step"
+    )
+    if layout == "one-kv":
+        return f"{one_kv}."
+    if layout == "unaware":
+        return f"{unaware}."
+    return f"for the shortest GRPO step: on {one_kv}; on {unaware}."
