@@ -12,6 +12,7 @@ from otel_session.dynamo.sizing import (
     BUDGET,
     LAYOUTS,
     SIBLINGS_RULE,
+    caches_hold,
     largest_step_ttl,
     sibling_group_size,
     siblings_note,
@@ -115,3 +116,17 @@ def test_step_advice_follows_what_the_router_can_see() -> None:
     )
     assert one_kv.rstrip(".") in both and unaware.rstrip(".") in both
     assert set(LAYOUTS) == {"one-kv", "unaware"}
+
+
+def test_caches_hold_counts_each_workers_share_of_the_step() -> None:
+    # the measured cells: 128 trajectories on 32 workers, contexts of about 2.5k tokens
+    assert not caches_hold(32, 128, 2_500, 256 * 16)  # 4 x 2,500 > 4,096: tight, affinity lost time
+    assert caches_hold(32, 128, 2_500, 1024 * 16)  # 10,000 <= 16,384: ample, affinity won time
+    assert caches_hold(32, 128, 4_096, 4 * 4_096) and not caches_hold(32, 129, 4_096, 4 * 4_096)
+    assert caches_hold(0, 128, 2_500, 1) and caches_hold(32, 0, 2_500, 1)  # nothing to place
+
+
+def test_step_advice_turns_affinity_on_only_where_the_caches_hold() -> None:
+    assert "turn session affinity on (--router-session-affinity-ttl-secs 600)" in step_advice("one-kv", True)
+    assert "leave session affinity off" in step_advice("one-kv", False)
+    assert "--kv-tokens" not in step_advice("one-kv", False) and "--kv-tokens" in step_advice("one-kv")

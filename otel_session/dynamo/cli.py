@@ -494,8 +494,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
     batch = (args.prompts, args.siblings) if args.prompts and args.siblings else None
     report = diagnose(
-        args.base_url, model=args.model, requests=args.requests, batch=batch, layout=args.layout
-    )
+        args.base_url, model=args.model, requests=args.requests, batch=batch, layout=args.layout,
+        caches=(args.kv_tokens, args.context_tokens) if args.kv_tokens and args.context_tokens else None,
+    )  # fmt: skip
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -575,6 +576,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LAYOUTS,
         help="what the router sees: one-kv (one frontend, kv routing: affinity off is recommended) or "
         "unaware (round-robin/random, or several frontends behind a balancer: affinity on)",
+    )
+    doctor.add_argument(
+        "--kv-tokens", type=_whole(1, 10**9), help="KV cache per worker, in tokens (with --context-tokens)"
+    )
+    doctor.add_argument(
+        "--context-tokens", type=_whole(1, 10**8), help="one trajectory's longest context, in tokens"
     )
     doctor.set_defaults(func=_doctor)
     install = sub.add_parser(

@@ -18,7 +18,14 @@ import otel_session
 from otel_session import SESSION_HEADER, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
 from otel_session.dynamo._library_log import no_session_on_purpose
-from otel_session.dynamo.sizing import FULL_ANSWER, siblings_note, sizing_note, step_advice, step_rule
+from otel_session.dynamo.sizing import (
+    FULL_ANSWER,
+    caches_hold,
+    siblings_note,
+    sizing_note,
+    step_advice,
+    step_rule,
+)
 
 AFFINITY_FLAG = "--router-session-affinity-ttl-secs"
 
@@ -91,10 +98,12 @@ def diagnose(
     sessions: int = 3,
     batch: tuple[int, int] | None = None,
     layout: str | None = None,
+    caches: tuple[int, int] | None = None,
 ) -> Report:
     """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``); ``layout``
     (``sizing.LAYOUTS``) says what the router can see, so sessions that do not pin on one kv frontend
-    read as the setting recommended there, not as a failure.
+    read as the setting recommended there, not as a failure. ``caches``: (KV tokens per worker,
+    tokens of one trajectory's longest context), checked against ``batch`` and the fleet's size.
 
     A URL that is not one, or that carries credentials (``user:password@``), is a :class:`ValueError`
     that does not repeat them: the report prints the URL. Some probes go outside any trajectory on
@@ -233,15 +242,20 @@ def diagnose(
             "let it through, and hash on it if several frontends sit behind a load balancer (on one frontend "
             "with kv routing, affinity off is the recommended setting: pass --layout one-kv)",
         )
-    report.add("step time", True, step_advice(layout))
+    workers = _workers(base_url)
+    holds = None
+    if caches is not None and batch is not None and workers:
+        holds = caches_hold(workers, batch[0] * batch[1], caches[1], caches[0])
+    report.add("step time", True, step_advice(layout, holds))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:
-        _advise_siblings(report, base_url, *batch)
+        report.add("sibling keying", True, siblings_note(workers, *batch))
+        report.add("session table per step", True, step_rule(batch[0] * batch[1]))
     return report
 
 
-def _advise_siblings(report: Report, base_url: str, prompts: int, siblings: int) -> None:
-    """How to key GRPO siblings for this fleet (its size read from ``/health``) and batch shape."""
+def _workers(base_url: str) -> int | None:
+    """The fleet's size from the frontend's ``/health`` (``None``: an old frontend or a proxy)."""
     import httpx2
 
     try:
@@ -253,5 +267,4 @@ def _advise_siblings(report: Report, base_url: str, prompts: int, siblings: int)
         }
     except Exception:  # an old frontend or a proxy without /health: advise without the fleet's size
         instances = set()
-    report.add("sibling keying", True, siblings_note(len(instances) or None, prompts, siblings))
-    report.add("session table per step", True, step_rule(prompts * siblings))
+    return len(instances) or None
