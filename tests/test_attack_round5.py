@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import httpx
@@ -70,7 +70,7 @@ def test_a_group_left_by_a_generator_closed_early_or_a_cancellation_is_forgotten
 ) -> None:
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="prompt")
 
-    def rollout() -> Iterator[int]:
+    def rollout() -> Generator[int, None, None]:
         with otel_session.trajectory(group="g"), httpx.Client() as client:
             client.get(f"{dynamo.url}/gen", timeout=10)
             yield 1
