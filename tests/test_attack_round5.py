@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -123,3 +129,70 @@ def test_every_hashable_group_key_opens_an_attempt_that_carries_a_session(
     with otel_session.trajectory(group=key), httpx.Client() as client:
         assert client.get(f"{dynamo.url}/k", timeout=10).status_code == 200
     assert all(session for session, _ in _carried(dynamo))
+
+
+def _raw_server(reply: bytes, trickle: bool) -> tuple[socket.socket, threading.Thread]:
+    """A loopback TCP server that does not speak HTTP: it sends ``reply`` (byte by byte if
+    ``trickle``, for up to 20 s) to each connection and closes it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+
+    def serve() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                if listener.fileno() < 0:
+                    return
+                continue
+            with conn, contextlib.suppress(OSError):
+                for index in range(len(reply) if trickle else 1):
+                    conn.sendall(reply[index : index + 1] if trickle else reply)
+                    if trickle:
+                        time.sleep(0.5)
+                        if time.monotonic() > deadline:
+                            break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize(
+    ("reply", "trickle"),
+    [
+        (b"SSH-2.0-OpenSSH_9.6\r\n", False),
+        (b"\x00\xff" * 64, False),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\ndynamo_frontend_cached_tok", False),
+        (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n" + b"x" * 200, True),
+    ],
+)
+def test_doctor_watch_against_a_server_that_does_not_speak_http_prints_a_line_in_bounded_time(
+    reply: bytes, trickle: bool
+) -> None:
+    listener, _ = _raw_server(reply, trickle)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            [
+                str(Path(sys.executable).with_name("otel-session")),
+                "doctor",
+                "--watch",
+                url,
+                "--interval",
+                "1",
+                "--samples",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        listener.close()
+    assert time.monotonic() - started < 30
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    assert (done.stdout + done.stderr).strip(), "not a word"
