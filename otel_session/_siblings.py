@@ -12,10 +12,12 @@ known only while one of its attempts is open, so nothing here outlives a step.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from otel_session import _faults
 from otel_session._ids import new_session_id
 
 ENV_SIBLINGS = "OTEL_SESSION_SIBLINGS"
@@ -68,9 +70,13 @@ def join(key: Hashable, policy: Siblings) -> str | None:
     if policy.size is None:
         return None
     with _lock:
-        group = _groups.get(key)
-        if group is None:
-            group = _groups[key] = _Group()
+        try:  # the key's own __hash__ or __eq__ may raise: that attempt then names no parent
+            group = _groups.get(key)
+            if group is None:
+                group = _groups[key] = _Group()
+        except Exception as exc:
+            _faults.report("comparing a trajectory(group=...) key", exc)
+            return None
         sub = group.started // policy.size if policy.size else 0
         while len(group.parents) <= sub:
             group.parents.append(new_session_id())
@@ -81,7 +87,7 @@ def join(key: Hashable, policy: Siblings) -> str | None:
 
 def leave(key: Hashable) -> None:
     """One attempt of group ``key`` ended; the last one open forgets the group."""
-    with _lock:
+    with _lock, contextlib.suppress(Exception):  # a key that raised in join() has no group to leave
         group = _groups.get(key)
         if group is not None:
             group.open -= 1

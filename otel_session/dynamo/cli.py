@@ -19,6 +19,7 @@ is in ``workload`` and ``doctor``.
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import json
 import os
@@ -478,7 +479,7 @@ def _watch(args: argparse.Namespace) -> int:
 
     try:
         windows = watch(args.watch, sys.stdout, interval=args.interval, samples=args.samples)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # HTTPException: not HTTP at all
         raise RunError(f"cannot read {args.watch} ({exc}); give the metrics endpoint's full URL") from None
     return 1 if any(w.verdict().startswith("BROKEN") for w in windows) else 0
 

@@ -119,8 +119,14 @@ class Window:
 
 def fetch(url: str, timeout: float = 10.0) -> Sample:
     """One GET of the metrics endpoint (the only request ``--watch`` makes)."""
+    deadline = time.monotonic() + timeout  # the socket timeout is per read: a trickle never meets it
+    chunks: list[bytes] = []
     with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return parse(reply.read().decode("utf-8", "replace"))
+        while chunk := reply.read1(65536):
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole answer in {timeout:g} s")
+    return parse(b"".join(chunks).decode("utf-8", "replace"))
 
 
 def watch(
