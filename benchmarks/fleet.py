@@ -21,7 +21,7 @@ common parent session (``X-Dynamo-Parent-Session-ID``). The arms:
     kv+attempt/soft  kv, a session per attempt, soft affinity
     kv+default/soft  kv, the default, soft affinity
     kv+header/off    kv, the default's headers, session affinity OFF at the frontend (what ``doctor
-                     --layout one-kv`` recommends: the header is sent and ignored)
+                     --layout kv`` recommends: the header is sent and ignored)
     kv+default/predicted, kv+default/busy   the default with ``--router-predicted-ttl-secs 5``, or
                      with Dynamo's busy thresholds (which reject work: errors are counted)
     3fe:...          three frontend replicas over the same workers behind nginx, round-robin

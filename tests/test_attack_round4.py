@@ -21,7 +21,7 @@ import otel_session
 from otel_session import _registry
 from tests.recorder import Recorder
 
-AGENT = '''
+AGENT = """
 import threading
 LOCK = threading.Lock()  # a module global a method uses: by value, it cannot be pickled
 
@@ -41,7 +41,7 @@ class Agent:
 def rollout(sample_idx, prompt):
     with LOCK:
         return prompt
-'''
+"""
 
 
 @pytest.fixture
@@ -213,8 +213,7 @@ def test_apps_built_from_a_reloaded_starlette_get_the_middleware(
     assert seen == {"session": sent}
 
 
-
-ENVIRONMENTS = '''
+ENVIRONMENTS = """
 class Env:
     @classmethod
     def build(cls, x):
@@ -222,7 +221,7 @@ class Env:
 
 class SubEnv(Env):
     pass
-'''
+"""
 
 
 def test_a_patched_classmethod_reached_through_a_subclass_pickles_bound_to_that_subclass(
@@ -238,7 +237,7 @@ def test_a_patched_classmethod_reached_through_a_subclass_pickles_bound_to_that_
         assert pickle.loads(pickle.dumps(reached))(0) == "SubEnv"
 
 
-RAY_ROLLOUTS = '''
+RAY_ROLLOUTS = """
 import threading
 import httpx
 import otel_session
@@ -255,7 +254,7 @@ class Agent:
 def run_episode(url):
     httpx.get(f"{url}/v1/working-dir", timeout=10)
     return otel_session.current_session_id()
-'''
+"""
 
 
 @pytest.mark.slow

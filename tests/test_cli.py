@@ -502,21 +502,21 @@ def test_doctor_on_a_deployment_without_affinity_names_the_flag(
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "[FAIL] sessions pinned" in proc.stdout
     assert "--router-session-affinity-ttl-secs" in proc.stdout
-    assert "--layout one-kv" in proc.stdout  # and where affinity off is the recommended setting
+    assert "--layout kv" in proc.stdout  # and where affinity off is the recommended setting
 
 
 def test_doctor_for_one_kv_frontend_takes_affinity_off_as_the_recommended_setting(
     dynamo_stack_no_affinity: LocalDynamo,
 ) -> None:
     url = dynamo_stack_no_affinity.base_url
-    proc = run_cli("doctor", "--base-url", url, "--layout", "one-kv", "--json", timeout=120)
+    proc = run_cli("doctor", "--base-url", url, "--layout", "kv", "--json", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert (
         checks["sessions pinned"]["ok"]
-        and "affinity is off, as recommended" in checks["sessions pinned"]["detail"]
+        and "affinity is off, what kv routing needs" in checks["sessions pinned"]["detail"]
     )
-    assert checks["step time"]["detail"] == step_advice("one-kv")
+    assert checks["step time"]["detail"] == step_advice("kv")
     assert checks["header sent"]["ok"]  # the header still leaves the process on every session request
 
 

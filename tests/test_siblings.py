@@ -166,14 +166,14 @@ def test_the_variable_is_read_when_the_argument_is_left_out(monkeypatch: pytest.
     assert str(otel_session.configure(dynamo_hosts=["127.0.0.1:9"]).siblings) == "prompt"
 
 
-ROLLOUTS = '''
+ROLLOUTS = """
 import httpx
 
 async def run_sample_multi_turn_rollout(sample_idx, initial_sample_state, url):
     async with httpx.AsyncClient() as client:
         for turn in range(2):
             await client.get(f"{url}/sample{sample_idx}/t{turn}", timeout=10)
-'''
+"""
 
 
 def test_a_named_rollout_groups_samples_by_their_initial_conversation(

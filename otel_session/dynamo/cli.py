@@ -575,8 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--layout",
         choices=LAYOUTS,
-        help="what the router sees: one-kv (one frontend, kv routing: affinity off is recommended) or "
-        "unaware (round-robin/random, or several frontends behind a balancer: affinity on)",
+        help="what the router sees: kv (kv routing, one frontend or replicas) or "
+        "unaware (round-robin or random routing)",
     )
     doctor.add_argument(
         "--kv-tokens", type=_whole(1, 10**9), help="KV cache per worker, in tokens (with --context-tokens)"

@@ -217,6 +217,10 @@ def diagnose(
     )
     report.add("requests without a session", True, f"spread over {len(free)} worker(s)")
     stuck = sum(1 for workers in pinned if len(workers) == 1)
+    fleet = _workers(base_url)
+    holds = None
+    if caches is not None and batch is not None and fleet:
+        holds = caches_hold(fleet, batch[0] * batch[1], caches[1], caches[0])
     if len(free) == 1 and stuck == sessions:
         report.add(
             "sessions pinned",
@@ -225,12 +229,12 @@ def diagnose(
             "run several workers (or a router that spreads load, e.g. --router-mode round-robin) and "
             "run doctor again",
         )
-    elif layout == "one-kv" and stuck < sessions:
+    elif layout == "kv" and stuck < sessions and not holds:
         report.add(
             "sessions pinned",
             True,
-            f"{stuck} of {sessions} probe sessions stayed on one worker: affinity is off, as recommended for "
-            "one frontend with kv routing (the header is sent and harmless)",
+            f"{stuck} of {sessions} probe sessions stayed on one worker: affinity is off, what kv routing "
+            "needs unless each worker's KV cache holds its share of a step (the header is harmless)",
         )
     else:
         report.add(
@@ -239,17 +243,13 @@ def diagnose(
             f"{stuck} of {sessions} probe sessions stayed on one worker over {requests} requests",
             f"start the Dynamo frontend with {AFFINITY_FLAG} 600 (session affinity is off by default); "
             f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
-            "let it through, and hash on it if several frontends sit behind a load balancer (on one frontend "
-            "with kv routing, affinity off is the recommended setting: pass --layout one-kv)",
+            "let it through, and hash on it if several frontends sit behind a load balancer (with kv routing "
+            "and caches that cannot hold a step's contexts, affinity off is recommended: pass --layout kv)",
         )
-    workers = _workers(base_url)
-    holds = None
-    if caches is not None and batch is not None and workers:
-        holds = caches_hold(workers, batch[0] * batch[1], caches[1], caches[0])
     report.add("step time", True, step_advice(layout, holds))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:
-        report.add("sibling keying", True, siblings_note(workers, *batch))
+        report.add("sibling keying", True, siblings_note(fleet, *batch))
         report.add("session table per step", True, step_rule(batch[0] * batch[1]))
     return report
 
