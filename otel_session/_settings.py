@@ -104,7 +104,11 @@ def flag(argument: str, value: object, env: str, default: bool = False) -> bool:
     raise SettingError(argument, f"{argument} must be True, False or None, not {value!r}")
 
 
-_FUNCTION = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+# module:Qualified.name, optionally [group=argument.path] (attribute, key or index steps)
+_FUNCTION = re.compile(
+    r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*"
+    r"(\[group=[A-Za-z_][\w]*(\.([A-Za-z_][\w]*|\d+))*\])?"
+)
 
 
 class _Reader:
@@ -264,7 +268,10 @@ class _Reader:
             if _FUNCTION.fullmatch(text):
                 found.append(text)
                 continue
-            message = f"{name}: {item!r} is not module:Qualified.name (e.g. my_rl.rollouts:Agent.run_episode)"
+            message = (
+                f"{name}: {item!r} is not module:Qualified.name[group=argument.path] (e.g. "
+                "my_rl.rollouts:Agent.run_episode or my_rl.rollouts:run[group=task.prompt_id])"
+            )
             if value is not None:
                 raise SettingError(name, message)
             self._fail(name, message, "that entry is left out")

@@ -28,6 +28,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import operator
 import sys
 import threading
@@ -132,9 +133,49 @@ def _prompt_of(state: Any) -> Hashable | None:
     return digest.hexdigest()
 
 
-def _reader(func: Any) -> Read:
+def split(name: str) -> tuple[str, str, tuple[str, ...]]:
+    """(module, qualified name, group path) of an entry ``module:Qualified.name[group=arg.path]``;
+    the path is empty where the entry names no group."""
+    module, _, rest = name.partition(":")
+    qualified, _, spec = rest.partition("[group=")
+    return module, qualified, tuple(spec.removesuffix("]").split(".")) if spec else ()
+
+
+class _NoGroup(Exception):
+    """Why a boundary's group path does not resolve at one call, in words for its one warning."""
+
+
+def _walk(value: Any, steps: tuple[str, ...]) -> Any:
+    """``value`` followed down ``steps``: each an attribute, else a mapping key, else a sequence index."""
+    for step in steps:
+        if isinstance(value, Mapping) and step in value:
+            value = value[step]
+        elif not isinstance(value, Mapping) and hasattr(value, step):
+            value = getattr(value, step)
+        elif step.isdigit() and isinstance(value, (list, tuple)) and int(step) < len(value):
+            value = value[int(step)]
+        else:
+            raise _NoGroup(f"{type(value).__name__} has no {step}")
+    return value
+
+
+def group_key(value: Any) -> str:
+    """A group key for ``value`` (any object): a digest of its type and its JSON (its ``repr`` where
+    it has none), so equal keys, even unhashable ones, group together and no text is kept."""
+    try:
+        text = json.dumps(value, sort_keys=True, default=repr, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    digest = hashlib.blake2b(f"{type(value).__qualname__}:".encode(), digest_size=16)
+    digest.update(text.encode(errors="surrogatepass"))
+    return digest.hexdigest()
+
+
+def _reader(func: Any, name: str = "") -> Read:
     """A reader of a call's arguments, made once per function: the sample index (a span attribute)
-    and the prompt the sample shares with its siblings (its group)."""
+    and the group: the entry's ``[group=...]`` path where ``name`` has one, else the prompt the sample
+    shares with its siblings."""
+    path = split(name)[2]
     try:
         parameters = list(inspect.signature(func).parameters)
     except (TypeError, ValueError):
@@ -143,6 +184,8 @@ def _reader(func: Any) -> Read:
         parameters = parameters[1:]  # wrapt hands bound calls their arguments without the instance
     named = [(i, p, _SAMPLE_ARGUMENTS[p]) for i, p in enumerate(parameters) if p in _SAMPLE_ARGUMENTS]
     prompts = [(i, p) for i, p in enumerate(parameters) if p in _PROMPT_ARGUMENTS]
+    if path:
+        prompts = [(parameters.index(path[0]), path[0])] if path[0] in parameters else [(-1, path[0])]
 
     def argument(index: int, parameter: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return kwargs[parameter] if parameter in kwargs else args[index] if index < len(args) else None
@@ -154,11 +197,33 @@ def _reader(func: Any) -> Read:
             if isinstance(value, (int, str)) and not isinstance(value, bool):
                 found[attribute] = value
         group = None
+        if path:
+            return found, _grouped(name, path, prompts[0], args, kwargs)
         for index, parameter in prompts:
             group = _prompt_of(argument(index, parameter, args, kwargs))
             if group is not None:
                 break
         return found, group
+
+    def _grouped(
+        name: str, path: tuple[str, ...], where: tuple[int, str], args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Hashable | None:  # fmt: skip
+        index, parameter = where
+        try:
+            if parameter not in kwargs and not 0 <= index < len(args):
+                raise _NoGroup(f"the call has no argument {parameter}")
+            return group_key(_walk(argument(index, parameter, args, kwargs), path[1:]))
+        except _NoGroup as exc:
+            if name not in _WARNED_GROUPS:
+                _WARNED_GROUPS.add(name)
+                _faults.warn(
+                    "otel-session: the group of trajectory function %s does not resolve at a call (%s); its "
+                    "attempts are grouped by their first request's prompt instead. Logged once.",
+                    name,
+                    exc,
+                )
+            return None
 
     return read
 
@@ -178,7 +243,7 @@ class _Boundary:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.template = trajectory(name=name.partition(":")[2], attributes={"otel_session.boundary": name})
+        self.template = trajectory(name=split(name)[1], attributes={"otel_session.boundary": name})
         self.read: Read = _nothing  # reads nothing until applied to a function
         self.holders: set[object] = set()  # the instrumentors naming it now; none: every call passes through
 
@@ -249,6 +314,7 @@ _BOUNDARIES: dict[str, _Boundary] = {}
 # Every attribute wrapped, in order: (boundary, owner, attribute, proxy, copied down from a base).
 _WRAPPED: list[tuple[_Boundary, Any, str, _Proxy, bool]] = []
 _WARNED: set[str] = set()  # names already warned about: once per process, however often configured
+_WARNED_GROUPS: set[str] = set()  # entries whose group path failed at a call, already warned about
 
 
 def _never_imported(module: str) -> str:
@@ -364,8 +430,8 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                     "the script being run (__main__) cannot be hooked before its functions exist: name a "
                     "function in a module it imports, or decorate it with @otel_session.trajectory"
                 )
-            owner, attribute, target = _resolve(module, name.partition(":")[2])
-            boundary.read = _reader(getattr(owner, attribute))
+            owner, attribute, target = _resolve(module, split(name)[1])
+            boundary.read = _reader(getattr(owner, attribute), name)
             proxy = _Proxy(target, boundary, owner, attribute)
             copied = attribute not in vars(owner)  # inherited: wrapped on this class only, never its base
             setattr(owner, attribute, proxy)
