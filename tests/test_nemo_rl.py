@@ -126,6 +126,12 @@ def test_nemo_rl_wrapper_and_retry_loop_carry_the_trajectory_with_zero_code(
     completions = [e for e in frontend.exchanges if e.path.endswith("/completions")]
     assert [e.status for e in completions[:2]] == [503, 200]  # the retry of the first call
     assert [e.header("x-dynamo-session-id") for e in completions] == [sessions[0]] * 4 + [sessions[1]] * 3
+    parents: dict[str, set[str | None]] = {}
     for exchange in chats + completions:
         names = {name.lower() for name, _ in exchange.request_headers}
-        assert names & OURS <= {"x-dynamo-session-id"}, exchange.request_headers
+        # the session, and the parent its first request's prompt grouped it under: nothing else of ours
+        assert names & OURS <= {"x-dynamo-session-id", "x-dynamo-parent-session-id"}, exchange.request_headers
+        session = exchange.header("x-dynamo-session-id")
+        if session is not None:
+            parents.setdefault(session, set()).add(exchange.header("x-dynamo-parent-session-id"))
+    assert all(len(p) == 1 for p in parents.values()), parents  # one parent for all of an attempt's turns
