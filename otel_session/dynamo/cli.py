@@ -354,9 +354,10 @@ def _dynamo_hosts(base_urls: Sequence[str], announce: bool = False) -> list[str]
 
 async def _both_arms(
     base_urls: Sequence[str], model: str, workload: Workload, concurrency: int, progress: Progress
-) -> tuple[list[TrajectoryResult], list[TrajectoryResult]]:
+) -> tuple[list[TrajectoryResult], list[TrajectoryResult], dict[str, dict[str, Any]]]:
     """The batch with sessions, then the same shape with no header at all (new text, so the second
-    run finds no cache left warm by the first)."""
+    run finds no cache left warm by the first), and the evidence of the first, read before
+    ``unconfigure()`` forgets it."""
     from otel_session.dynamo.workload import run_batch
 
     progress.start()
@@ -364,11 +365,12 @@ async def _both_arms(
     _evidence.forget()  # the evidence printed beside the verdict is this arm's
     try:
         on = await run_batch(base_urls, model, workload, concurrency=concurrency, on_turn=progress.step)
+        evidence = _evidence.summaries()
     finally:
         otel_session.unconfigure()
     off_load = replace(workload, seed=workload.seed + 1)
     off = await run_batch(base_urls, model, off_load, concurrency=concurrency, on_turn=progress.step)
-    return on, off
+    return on, off, evidence
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -430,7 +432,7 @@ def _run(args: argparse.Namespace) -> int:
         base_urls, model = stack.base_urls, stack.model_name
         names = {w.instance_id: f"w{w.index}" for w in stack.workers if w.instance_id is not None}
     try:
-        on, off = asyncio.run(_both_arms(base_urls, model, workload, args.concurrency, progress))
+        on, off, evidence = asyncio.run(_both_arms(base_urls, model, workload, args.concurrency, progress))
         progress.close()
     finally:
         if stack is not None:
@@ -441,7 +443,7 @@ def _run(args: argparse.Namespace) -> int:
             "base_urls": list(base_urls),
             "model": model,
             "verdict": {"line": verdict.line, "pinned": verdict.pinned},
-            "evidence": _evidence.summaries(),
+            "evidence": evidence,
             "with_sessions": {"summary": asdict(summarize(on)), "trajectories": [r.to_dict() for r in on]},
             "without_sessions": {
                 "summary": asdict(summarize(off)),
@@ -451,7 +453,7 @@ def _run(args: argparse.Namespace) -> int:
         json.dump(document, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        verdict = render(on, off, sys.stdout, names, _evidence.summaries())
+        verdict = render(on, off, sys.stdout, names, evidence)
     if verdict.pinned:
         return 0
     if args.base_url:
