@@ -38,7 +38,7 @@ from typing import Any, ClassVar, SupportsIndex
 
 import wrapt
 
-from otel_session import _faults, _hop, _settings
+from otel_session import _faults, _group_keys, _hop, _settings
 from otel_session._trajectory import as_attempt, trajectory
 from otel_session.instrumentation._base import Patched, SessionInstrumentor, Wrapper
 from otel_session.instrumentation._reloads import when_reloaded
@@ -107,10 +107,12 @@ def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, Any]:
     return owner, name, target
 
 
-Read = Callable[[tuple[Any, ...], dict[str, Any]], tuple[dict[str, Any], Hashable | None]]
+Read = Callable[[tuple[Any, ...], dict[str, Any], "_Boundary"], tuple[dict[str, Any], Hashable | None]]
 
 
-def _nothing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], Hashable | None]:
+def _nothing(
+    args: tuple[Any, ...], kwargs: dict[str, Any], boundary: _Boundary
+) -> tuple[dict[str, Any], Hashable | None]:
     return {}, None
 
 
@@ -132,30 +134,60 @@ def _prompt_of(state: Any) -> Hashable | None:
     return digest.hexdigest()
 
 
+_ABSENT = object()
+
+
 def _reader(func: Any) -> Read:
     """A reader of a call's arguments, made once per function: the sample index (a span attribute)
-    and the prompt the sample shares with its siblings (its group)."""
+    and what the sample shares with its siblings (its group: where the boundary's ``group=`` says,
+    else NeMo-RL's prompt)."""
     try:
-        parameters = list(inspect.signature(func).parameters)
+        signature = inspect.signature(func).parameters
     except (TypeError, ValueError):
         return _nothing
+    parameters = list(signature)
     if parameters and parameters[0] in ("self", "cls"):
         parameters = parameters[1:]  # wrapt hands bound calls their arguments without the instance
+    empty = inspect.Parameter.empty
+    defaults = {p: signature[p].default for p in parameters if signature[p].default is not empty}
     named = [(i, p, _SAMPLE_ARGUMENTS[p]) for i, p in enumerate(parameters) if p in _SAMPLE_ARGUMENTS]
     prompts = [(i, p) for i, p in enumerate(parameters) if p in _PROMPT_ARGUMENTS]
+    kinds = {p: signature[p].kind for p in parameters}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
-    def argument(index: int, parameter: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return kwargs[parameter] if parameter in kwargs else args[index] if index < len(args) else None
+    def argument(parameter: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if parameter in kwargs and kinds.get(parameter) != inspect.Parameter.POSITIONAL_ONLY:
+            return kwargs[parameter]
+        index = parameters.index(parameter) if parameter in kinds else len(args)
+        if index < len(args) and kinds[parameter] in positional:
+            return args[index]
+        return defaults.get(parameter, _ABSENT)
 
-    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], Hashable | None]:
+    def group_of(key: _group_keys.GroupKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        value = argument(key.argument, args, kwargs)
+        if value is _ABSENT:
+            raise _group_keys.Unresolved(f"the call has no argument {key.argument}")
+        return key.read(value)
+
+    def read(
+        args: tuple[Any, ...], kwargs: dict[str, Any], boundary: _Boundary
+    ) -> tuple[dict[str, Any], Hashable | None]:
         found = {}
-        for index, parameter, attribute in named:
-            value = argument(index, parameter, args, kwargs)
+        for _, parameter, attribute in named:
+            value = argument(parameter, args, kwargs)
             if isinstance(value, (int, str)) and not isinstance(value, bool):
                 found[attribute] = value
+        key = boundary.key
+        if key is not None:
+            try:
+                return found, (boundary.name, group_of(key, args, kwargs))
+            except _group_keys.Unresolved as why:
+                boundary.unresolved(key, str(why))
+                return found, None
         group = None
-        for index, parameter in prompts:
-            group = _prompt_of(argument(index, parameter, args, kwargs))
+        for _, parameter in prompts:
+            state = argument(parameter, args, kwargs)
+            group = _prompt_of(state) if state is not _ABSENT else None
             if group is not None:
                 break
         return found, group
@@ -180,13 +212,43 @@ class _Boundary:
         self.name = name
         self.template = trajectory(name=name.partition(":")[2], attributes={"otel_session.boundary": name})
         self.read: Read = _nothing  # reads nothing until applied to a function
-        self.holders: set[object] = set()  # the instrumentors naming it now; none: every call passes through
+        self.holders: dict[object, _group_keys.GroupKey | None] = {}  # who names it now, with which group=
+        self.key: _group_keys.GroupKey | None = None  # the group= in force: the user's over a preset's
+        self.warned = False  # a group= that did not resolve at a call is one warning per name
+
+    def hold(self, holder: TrajectoryFunctionsInstrumentor, key: _group_keys.GroupKey | None) -> None:
+        self.holders[holder] = key
+        self._choose()
+
+    def release(self, holder: object) -> None:
+        self.holders.pop(holder, None)
+        self._choose()
+
+    def _choose(self) -> None:
+        keys = sorted(
+            ((bool(getattr(h, "presets", ())), k) for h, k in self.holders.items() if k is not None),
+            key=lambda found: found[0],
+        )
+        key = keys[0][1] if keys else None
+        self.warned = self.warned and key == self.key  # a new group= is told about anew
+        self.key = key
+
+    def unresolved(self, key: _group_keys.GroupKey, why: str) -> None:
+        if not self.warned:
+            self.warned = True
+            _faults.warn(
+                "otel-session: trajectory function %s: group=%s does not resolve at a call (%s), so its "
+                "attempts run without a group (no parent for their siblings); told once",
+                self.name,
+                key.text,
+                why,
+            )
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.holders or _serving(wrapped):  # a stale reference, or one inside opens the attempt
             return wrapped(*args, **kwargs)
         try:
-            attributes, group = self.read(args, kwargs)
+            attributes, group = self.read(args, kwargs, self)
             template = self.template._fresh(attributes, group)
         except Exception as exc:  # a bug of ours must not fail the rollout: it runs as it would
             _faults.report(f"opening a trajectory for {self.name}", exc)
@@ -305,6 +367,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
             return
         super().__init__()
         self._names: tuple[str, ...] = ()
+        self._keys: dict[str, _group_keys.GroupKey | None] = {}  # each name's group=, where it says one
         self._hooked: set[str] = set()  # modules with a post-import hook (cannot be removed)
         self._applied: set[str] = set()
         self._exit_check = False
@@ -322,10 +385,11 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         super()._instrument(**kwargs)
         with _LOCK:
-            self._names = self.names()
+            self._keys = dict(_group_keys.entry(entry) for entry in self.names())
+            self._names = tuple(self._keys)
             self._applied = set()
-            for name in self._names:  # in force from now on, also wrappers left from an earlier time
-                _BOUNDARIES.setdefault(name, _Boundary(name)).holders.add(self)
+            for name, key in self._keys.items():  # in force from now on, also wrappers left from earlier
+                _BOUNDARIES.setdefault(name, _Boundary(name)).hold(self, key)
             for name in self._names:
                 module = name.partition(":")[0]
                 if module not in self._hooked:
@@ -385,7 +449,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         super()._uninstrument(**kwargs)
         with _LOCK:
             for boundary in _BOUNDARIES.values():
-                boundary.holders.discard(self)
+                boundary.release(self)
             for boundary, owner, attribute, proxy, copied in reversed(_WRAPPED):  # a wrapper on top first
                 if boundary.holders:
                     continue  # still named by another instrumentor
