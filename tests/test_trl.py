@@ -1,6 +1,6 @@
 """TRL's async GRPO with zero code (issue 35, item 1): the ``otel_session_trl`` preset, TRL's real code.
 
-TRL 1.16.0 runs from ``.venv-trl`` (``scripts/trl_venv``: torch from the local CPU wheel). The driver
+TRL 1.16.0 runs from ``.venv-rl`` (``scripts/rl_venv``: torch from the local CPU wheel). The driver
 (tests/trl_cases/driver.py, no otel-session code) is started only as ``opentelemetry-instrument python
 driver.py`` with ``OTEL_PYTHON_DISTRO=otel_session`` and ``OTEL_SESSION_DYNAMO_HOSTS``; it runs TRL's
 ``AsyncRolloutWorker``, whose spawned child runs ``_AsyncRolloutLoop``: 2 prompts x 2 generations, each
@@ -28,7 +28,7 @@ from tests.recorder import Recorder, Seen
 from tests.support import run_zero_code
 from tests.token_engine import STEPS, TokenEngine, Turn
 
-VENV = ROOT / ".venv-trl"
+VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "trl_cases" / "driver.py"
 REQUIRE_ENV = "OTEL_SESSION_REQUIRE_GYM"  # set by scripts/test: a missing venv fails, never skips
 OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
@@ -45,11 +45,11 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def trl_venv() -> None:
+def rl_venv() -> None:
     if not (VENV / "bin" / "opentelemetry-instrument").exists():
         if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("the TRL venv (.venv-trl) is missing: run scripts/trl_venv")
-        pytest.skip("the TRL venv (.venv-trl) is missing: run scripts/trl_venv")
+            pytest.fail("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+        pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
 
 
 def run_driver(**env: str) -> Run:
@@ -76,7 +76,7 @@ def assert_trl_ran(run: Run) -> None:
     assert len(run.tools) >= 4 * STEPS
 
 
-def test_each_rollout_is_one_session_and_each_group_one_parent(trl_venv: None) -> None:
+def test_each_rollout_is_one_session_and_each_group_one_parent(rl_venv: None) -> None:
     run = run_driver()
     assert_trl_ran(run)
     by_session: dict[str | None, list[Turn]] = defaultdict(list)
@@ -110,7 +110,7 @@ def test_each_rollout_is_one_session_and_each_group_one_parent(trl_venv: None) -
     assert "does not resolve" not in run.stderr and NOTICE not in run.stderr, run.stderr[-3000:]
 
 
-def test_without_the_preset_no_rollout_carries_a_session(trl_venv: None) -> None:
+def test_without_the_preset_no_rollout_carries_a_session(rl_venv: None) -> None:
     """The control: the same run with ``otel_session_trl`` turned off has no attempt, so no session."""
     run = run_driver(OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_trl")
     assert_trl_ran(run)

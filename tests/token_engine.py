@@ -1,12 +1,15 @@
-"""A vLLM stand-in for token-in, token-out rollouts (TRL's async GRPO), recording what it was sent.
+"""An inference engine stand-in for token-in, token-out rollouts (TRL, AReaL), recording what it was sent.
 
-No vLLM runs here (no GPU), and Dynamo 1.6.1 refuses TRL's ``return_token_ids`` (400 "Unsupported
-parameter(s)"), so this loopback server plays the engine: ``POST /v1/completions`` with a prompt of
-token ids answers ``choices[0].token_ids`` and ``logprobs.token_logprobs`` as vLLM does. It decodes the
-prompt with the tiny local tokenizer (``otel_session.dynamo.ensure_model_dir``, plus the chat
-template's special tokens in the order the driver adds them) and answers a ``step`` tool call until
-the conversation holds ``STEPS`` tool results, then a plain answer: so each rollout has ``STEPS + 1``
-turns.
+No vLLM or SGLang runs here (no GPU), and Dynamo 1.6.1 serves neither TRL's ``return_token_ids`` (400
+"Unsupported parameter(s)") nor SGLang's native ``/generate``, which AReaL's remote engine posts. So
+this loopback server plays the engine and answers as they do: vLLM's ``POST /v1/completions`` with a
+prompt of token ids (``choices[0].token_ids``, ``logprobs.token_logprobs``), and SGLang's ``POST
+/generate`` with ``input_ids`` (``meta_info.output_token_logprobs``, ``finish_reason``). It decodes
+each prompt with the tiny local tokenizer (``otel_session.dynamo.ensure_model_dir``, plus the chat
+template's special tokens in the order TRL's driver adds them) to record which prompt and turn it is:
+a turn is the number of ``marker`` texts the conversation holds so far. For TRL it answers a ``step``
+tool call until the conversation holds ``STEPS`` tool results, then a plain answer; for AReaL, a plain
+answer every turn.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Turn:
 @dataclass
 class TokenEngine(Served):
     model_dir: Path = Path()
+    marker: str = "<tool_response>"
     host: str = "127.0.0.1"
     port: int = 0
     turns: list[Turn] = field(default_factory=list)
@@ -61,17 +65,33 @@ class TokenEngine(Served):
             text = "done<|im_end|>"
         return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
-    async def _handle(self, request: Request) -> Response:
-        if not request.url.path.endswith("/completions"):
-            return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+    def _record(self, request: Request, ids: list[int]) -> int:
         assert self._tokenizer is not None
-        body = json.loads(await request.body())
-        text = self._tokenizer.decode(body["prompt"], skip_special_tokens=False)
+        text = self._tokenizer.decode(ids, skip_special_tokens=False)
         matched = _PROMPT.search(text)
-        steps_done = text.count("<tool_response>")
+        turn = text.count(self.marker)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]]
-        self.turns.append(Turn(headers, int(matched[1]) if matched else -1, steps_done, request.url.netloc))
-        ids = self._answer(self._tokenizer, steps_done)
+        self.turns.append(Turn(headers, int(matched[1]) if matched else -1, turn, request.url.netloc))
+        return turn
+
+    async def _handle(self, request: Request) -> Response:
+        assert self._tokenizer is not None
+        path = request.url.path
+        if path == "/generate":  # SGLang's native API
+            body = json.loads(await request.body())
+            self._record(request, body["input_ids"])
+            ids = list(self._tokenizer.encode("an answer", add_special_tokens=False).ids)
+            meta = {
+                "output_token_logprobs": [[-0.5, i, None] for i in ids],
+                "finish_reason": {"type": "stop"},
+                "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(ids),
+            }
+            return JSONResponse({"text": "an answer", "meta_info": meta})
+        if not path.endswith("/completions"):  # health checks, model listings
+            return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+        body = json.loads(await request.body())
+        ids = self._answer(self._tokenizer, self._record(request, body["prompt"]))
         choice = {
             "index": 0,
             "text": self._tokenizer.decode(ids),

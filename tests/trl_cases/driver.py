@@ -1,4 +1,4 @@
-"""TRL's async GRPO rollout worker (trl 1.16.0, ``.venv-trl``), run as a trainer runs it, with no
+"""TRL's async GRPO rollout worker (trl 1.16.0, ``.venv-rl``), run as a trainer runs it, with no
 otel-session code: started only as ``opentelemetry-instrument python driver.py ENGINE_URL MODEL_DIR``.
 
 ``AsyncRolloutWorker.start()`` spawns its child process, which runs ``_AsyncRolloutLoop`` (the
