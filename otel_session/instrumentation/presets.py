@@ -31,6 +31,8 @@ class TRLAsyncGRPOInstrumentor(TrajectoryFunctionsInstrumentor):
     requirement = "trl"
     presets = (
         "trl.experimental.async_grpo.async_rollout_worker:_AsyncRolloutLoop._generate_one[group=group_id]",
+        # The OpenEnv variant overrides it, running each session in a thread pool.
+        "trl.experimental.async_grpo.openenv_harness:_HarnessRolloutLoop._generate_one[group=group_id]",
     )
 
 
