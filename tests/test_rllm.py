@@ -9,7 +9,9 @@ driver.py`` with ``OTEL_PYTHON_DISTRO=otel_session``, ``OTEL_SESSION_DYNAMO_HOST
 affinity on), each environment step in rLLM's thread pool asking a tool server on 127.0.0.2 with
 ``requests``. The preset makes each ``Workflow.run_with_termination_handling`` one attempt, grouped by
 ``uid.rpartition(":")[0]``, the task id. ``tests.support.DynamoProxy`` forwards each request unchanged
-and records its headers, body and the worker that served it.
+and records its headers, body and the worker that served it. One more run goes through the real vLLM
+router (``vllm-router`` 0.1.17, ``consistent_hash``) in front of 3 recording engine stand-ins
+(``tests.routers.Backend``), configured only by ``OTEL_SESSION_ROUTERS``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from otel_session.dynamo import LocalDynamo
 from tests.gym_servers import ROOT
 from tests.recorder import Recorder, Seen
+from tests.routers import backends, router
 from tests.support import DynamoProxy, Forwarded, run_zero_code
 
 SOURCE = ROOT / "tests" / "vendor" / "rllm"
@@ -43,14 +46,21 @@ class Run:
 
 def run_driver(stack: LocalDynamo, **env: str) -> Run:
     with DynamoProxy(f"http://{stack.host}") as proxy, Recorder(host="127.0.0.2") as tools:
-        report, stderr = run_zero_code(
-            [INSTRUMENT, sys.executable, str(DRIVER), f"http://{proxy.authority}/v1", stack.model_name,
-             f"{tools.url}/tool"],
-            dynamo=proxy.authority,
-            env={"PYTHONPATH": str(SOURCE)} | env,
-            timeout=120,
-        )  # fmt: skip
+        report, stderr = _zero_code(
+            f"http://{proxy.authority}/v1", stack.model_name, tools, proxy.authority, env
+        )
     return Run(report, stderr, list(proxy.requests), list(tools.requests))
+
+
+def _zero_code(
+    url: str, model: str, tools: Recorder, dynamo: str, env: dict[str, str]
+) -> tuple[dict[str, Any], str]:
+    return run_zero_code(
+        [INSTRUMENT, sys.executable, str(DRIVER), url, model, f"{tools.url}/tool"],
+        dynamo=dynamo,
+        env={"PYTHONPATH": str(SOURCE)} | env,
+        timeout=120,
+    )
 
 
 def task_of(request: Forwarded) -> str:
@@ -105,3 +115,31 @@ def test_without_the_preset_no_rollout_carries_a_session(dynamo_stack: LocalDyna
     assert_rllm_ran(run)
     assert not any(r.header("x-dynamo-session-id") for r in run.requests)
     assert NOTICE in run.stderr, run.stderr[-3000:]
+
+
+def test_through_the_vllm_router_each_rollout_stays_on_one_engine() -> None:
+    """``OTEL_SESSION_ROUTERS='vllm-router=...'`` alone: every turn of a rollout carries one
+    ``X-Session-ID`` (the router's header; no Dynamo header, no parent: that router has none) and the
+    router keeps the rollout on one engine; the 4 rollouts have 4 IDs."""
+    with backends(3) as fleet, router("vllm-router", fleet, policy="consistent_hash") as vllm_router:
+        with Recorder(host="127.0.0.2") as tools:
+            report, stderr = _zero_code(
+                f"{vllm_router.url}/v1",
+                "m",
+                tools,
+                "",
+                {"OTEL_SESSION_ROUTERS": f"vllm-router={vllm_router.authority}"},
+            )
+        served = [(backend.name, seen) for backend in fleet for seen in backend.completions()]
+    assert sorted(e["id"] for e in report["episodes"]) == ["task-0:0", "task-0:1", "task-1:0", "task-1:1"], (
+        report
+    )
+    assert len(served) == 4 * TURNS and len(tools.requests) == 4 * TURNS
+    engines: dict[str | None, set[str]] = defaultdict(set)
+    for name, seen in served:
+        engines[seen.get("x-session-id")].add(name)
+        assert seen.names() & OURS == set(), seen.headers
+    assert None not in engines and len(engines) == 4, engines
+    assert all(len(names) == 1 for names in engines.values()), engines  # each rollout on one engine
+    assert all(not seen.names() & (OURS | {"x-session-id"}) for seen in tools.requests)
+    assert NOTICE not in stderr, stderr[-3000:]
