@@ -6,9 +6,11 @@ trajectory_functions=...)``). Each name is applied when its module is imported (
 already): the attribute is wrapped in place, so callers that look it up at call time (a module
 global, a method) reach the wrapper. Each call runs as ``trajectory()`` does for a decorated
 function: a coroutine awaited, a generator iterated, all inside one new attempt; inside another
-trajectory it is a nested one. Frameworks are covered by presets of the same mechanism
-(``nemo_rl``). A name that does not resolve once its module is imported, or whose module is never
-imported by the time the process exits, is one warning naming it; the other names still apply.
+trajectory it is a nested one. A name may say where its siblings' group key is
+(``module:name[group=uid|before_last(:)]``, read by ``_group_keys``). Frameworks are covered by
+presets of the same mechanism (``NeMoRLInstrumentor`` here, the others in ``presets``). A name that
+does not resolve once its module is imported, or whose module is never imported by the time the
+process exits, is one warning naming it; the other names still apply.
 
 One function reached under several names (a package's re-export, a method a subclass inherits, a
 preset the user names too) is one boundary: a call is one attempt, opened by the innermost wrapper in
