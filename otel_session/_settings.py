@@ -11,10 +11,10 @@ ten arguments and their variables, each read strictly and leniently, in one plac
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from otel_session import _group_keys
 from otel_session._hosts import HostPattern, HostRules
 from otel_session._routers import DYNAMO, Profile, profile_named
 from otel_session._siblings import DEFAULT as DEFAULT_SIBLINGS
@@ -102,13 +102,6 @@ def flag(argument: str, value: object, env: str, default: bool = False) -> bool:
     if isinstance(value, str):
         return parse_bool(argument, value, blank_is_unset=False)  # "" passed on says nothing: refused
     raise SettingError(argument, f"{argument} must be True, False or None, not {value!r}")
-
-
-# module:Qualified.name, optionally [group=argument.path] (attribute, key or index steps)
-_FUNCTION = re.compile(
-    r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*"
-    r"(\[group=[A-Za-z_][\w]*(\.([A-Za-z_][\w]*|\d+))*\])?"
-)
 
 
 class _Reader:
@@ -260,21 +253,20 @@ class _Reader:
             return DEFAULT_SIBLINGS
 
     def functions(self, value: Iterable[str] | str | None) -> tuple[str, ...]:
-        """``module:Qualified.name`` entries; a bad one raises (an argument) or is left out (a variable)."""
+        """``module:Qualified.name`` entries, each with its ``[group=...]`` if it has one; a bad one
+        raises (an argument) or is left out (a variable)."""
         name = "trajectory_functions" if value is not None else ENV_TRAJECTORY_FUNCTIONS
+        raw = value if value is not None else os.environ.get(name, "")
         found: list[str] = []
-        for item in self._items(value if value is not None else os.environ.get(name, ""), name):
-            text = item.strip() if isinstance(item, str) else ""
-            if _FUNCTION.fullmatch(text):
-                found.append(text)
-                continue
-            message = (
-                f"{name}: {item!r} is not module:Qualified.name[group=argument.path] (e.g. "
-                "my_rl.rollouts:Agent.run_episode or my_rl.rollouts:run[group=task.prompt_id])"
-            )
-            if value is not None:
-                raise SettingError(name, message)
-            self._fail(name, message, "that entry is left out")
+        for item in _group_keys.split(raw) if isinstance(raw, str) else self._items(raw, name):
+            try:
+                if not isinstance(item, str):
+                    raise ValueError(f"{item!r} is not module:Qualified.name")
+                found.append(_group_keys.canonical(*_group_keys.entry(item)))
+            except ValueError as exc:
+                if value is not None:
+                    raise SettingError(name, f"{name}: {exc}") from None
+                self._fail(name, f"{name}: {exc}", "that entry is left out")
         return tuple(dict.fromkeys(found))
 
 

@@ -24,7 +24,7 @@ SLOW_MODULES = frozenset(
         "test_evidence_dynamo", "test_gym_e2e",
         "test_nemo_gym", "test_nemo_rl", "test_nemo_rl_boundaries", "test_overhead_benchmark", "test_phoenix",
         "test_readme", "test_routers", "test_session_end", "test_thunderagent", "test_tools_newcomer",
-        "test_verifiers", "test_zerocode",
+        "test_areal", "test_rllm", "test_trl", "test_verifiers", "test_zerocode",
     }
 )  # fmt: skip
 SLOW_FIXTURES = frozenset({"dynamo_stack", "dynamo_stack_no_affinity", "local_dynamo_factory"})

@@ -6,9 +6,11 @@ trajectory_functions=...)``). Each name is applied when its module is imported (
 already): the attribute is wrapped in place, so callers that look it up at call time (a module
 global, a method) reach the wrapper. Each call runs as ``trajectory()`` does for a decorated
 function: a coroutine awaited, a generator iterated, all inside one new attempt; inside another
-trajectory it is a nested one. Frameworks are covered by presets of the same mechanism
-(``nemo_rl``). A name that does not resolve once its module is imported, or whose module is never
-imported by the time the process exits, is one warning naming it; the other names still apply.
+trajectory it is a nested one. A name may say where its siblings' group key is
+(``module:name[group=uid|before_last(:)]``, read by ``_group_keys``). Frameworks are covered by
+presets of the same mechanism (``NeMoRLInstrumentor`` here, the others in ``presets``). A name that
+does not resolve once its module is imported, or whose module is never imported by the time the
+process exits, is one warning naming it; the other names still apply.
 
 One function reached under several names (a package's re-export, a method a subclass inherits, a
 preset the user names too) is one boundary: a call is one attempt, opened by the innermost wrapper in
@@ -28,7 +30,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import operator
 import sys
 import threading
@@ -39,7 +40,7 @@ from typing import Any, ClassVar, SupportsIndex
 
 import wrapt
 
-from otel_session import _faults, _hop, _settings
+from otel_session import _faults, _group_keys, _hop, _settings
 from otel_session._trajectory import as_attempt, trajectory
 from otel_session.instrumentation._base import Patched, SessionInstrumentor, Wrapper
 from otel_session.instrumentation._reloads import when_reloaded
@@ -108,10 +109,12 @@ def _resolve(module: ModuleType, qualified: str) -> tuple[Any, str, Any]:
     return owner, name, target
 
 
-Read = Callable[[tuple[Any, ...], dict[str, Any]], tuple[dict[str, Any], Hashable | None]]
+Read = Callable[[tuple[Any, ...], dict[str, Any], "_Boundary"], tuple[dict[str, Any], Hashable | None]]
 
 
-def _nothing(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], Hashable | None]:
+def _nothing(
+    args: tuple[Any, ...], kwargs: dict[str, Any], boundary: _Boundary
+) -> tuple[dict[str, Any], Hashable | None]:
     return {}, None
 
 
@@ -133,97 +136,63 @@ def _prompt_of(state: Any) -> Hashable | None:
     return digest.hexdigest()
 
 
-def split(name: str) -> tuple[str, str, tuple[str, ...]]:
-    """(module, qualified name, group path) of an entry ``module:Qualified.name[group=arg.path]``;
-    the path is empty where the entry names no group."""
-    module, _, rest = name.partition(":")
-    qualified, _, spec = rest.partition("[group=")
-    return module, qualified, tuple(spec.removesuffix("]").split(".")) if spec else ()
+_ABSENT = object()
 
 
-class _NoGroup(Exception):
-    """Why a boundary's group path does not resolve at one call, in words for its one warning."""
-
-
-def _walk(value: Any, steps: tuple[str, ...]) -> Any:
-    """``value`` followed down ``steps``: each an attribute, else a mapping key, else a sequence index."""
-    for step in steps:
-        if isinstance(value, Mapping) and step in value:
-            value = value[step]
-        elif not isinstance(value, Mapping) and hasattr(value, step):
-            value = getattr(value, step)
-        elif step.isdigit() and isinstance(value, (list, tuple)) and int(step) < len(value):
-            value = value[int(step)]
-        else:
-            raise _NoGroup(f"{type(value).__name__} has no {step}")
-    return value
-
-
-def group_key(value: Any) -> str:
-    """A group key for ``value`` (any object): a digest of its type and its JSON (its ``repr`` where
-    it has none), so equal keys, even unhashable ones, group together and no text is kept."""
-    try:
-        text = json.dumps(value, sort_keys=True, default=repr, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    digest = hashlib.blake2b(f"{type(value).__qualname__}:".encode(), digest_size=16)
-    digest.update(text.encode(errors="surrogatepass"))
-    return digest.hexdigest()
-
-
-def _reader(func: Any, name: str = "") -> Read:
+def _reader(func: Any) -> Read:
     """A reader of a call's arguments, made once per function: the sample index (a span attribute)
-    and the group: the entry's ``[group=...]`` path where ``name`` has one, else the prompt the sample
-    shares with its siblings."""
-    path = split(name)[2]
+    and what the sample shares with its siblings (its group: where the boundary's ``group=`` says,
+    else NeMo-RL's prompt)."""
     try:
-        parameters = list(inspect.signature(func).parameters)
+        signature = inspect.signature(func).parameters
     except (TypeError, ValueError):
         return _nothing
+    parameters = list(signature)
     if parameters and parameters[0] in ("self", "cls"):
         parameters = parameters[1:]  # wrapt hands bound calls their arguments without the instance
+    empty = inspect.Parameter.empty
+    defaults = {p: signature[p].default for p in parameters if signature[p].default is not empty}
     named = [(i, p, _SAMPLE_ARGUMENTS[p]) for i, p in enumerate(parameters) if p in _SAMPLE_ARGUMENTS]
     prompts = [(i, p) for i, p in enumerate(parameters) if p in _PROMPT_ARGUMENTS]
-    if path:
-        prompts = [(parameters.index(path[0]), path[0])] if path[0] in parameters else [(-1, path[0])]
+    kinds = {p: signature[p].kind for p in parameters}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
-    def argument(index: int, parameter: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return kwargs[parameter] if parameter in kwargs else args[index] if index < len(args) else None
+    def argument(parameter: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if parameter in kwargs and kinds.get(parameter) != inspect.Parameter.POSITIONAL_ONLY:
+            return kwargs[parameter]
+        index = parameters.index(parameter) if parameter in kinds else len(args)
+        if index < len(args) and kinds[parameter] in positional:
+            return args[index]
+        return defaults.get(parameter, _ABSENT)
 
-    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], Hashable | None]:
+    def group_of(key: _group_keys.GroupKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+        value = argument(key.argument, args, kwargs)
+        if value is _ABSENT:
+            raise _group_keys.Unresolved(f"the call has no argument {key.argument}")
+        return key.read(value)
+
+    def read(
+        args: tuple[Any, ...], kwargs: dict[str, Any], boundary: _Boundary
+    ) -> tuple[dict[str, Any], Hashable | None]:
         found = {}
-        for index, parameter, attribute in named:
-            value = argument(index, parameter, args, kwargs)
+        for _, parameter, attribute in named:
+            value = argument(parameter, args, kwargs)
             if isinstance(value, (int, str)) and not isinstance(value, bool):
                 found[attribute] = value
+        key = boundary.key
+        if key is not None:
+            try:
+                return found, (boundary.name, group_of(key, args, kwargs))
+            except _group_keys.Unresolved as why:
+                boundary.unresolved(key, str(why))
+                return found, None
         group = None
-        if path:
-            return found, _grouped(name, path, prompts[0], args, kwargs)
-        for index, parameter in prompts:
-            group = _prompt_of(argument(index, parameter, args, kwargs))
+        for _, parameter in prompts:
+            state = argument(parameter, args, kwargs)
+            group = _prompt_of(state) if state is not _ABSENT else None
             if group is not None:
                 break
         return found, group
-
-    def _grouped(
-        name: str, path: tuple[str, ...], where: tuple[int, str], args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Hashable | None:  # fmt: skip
-        index, parameter = where
-        try:
-            if parameter not in kwargs and not 0 <= index < len(args):
-                raise _NoGroup(f"the call has no argument {parameter}")
-            return group_key(_walk(argument(index, parameter, args, kwargs), path[1:]))
-        except _NoGroup as exc:
-            if name not in _WARNED_GROUPS:
-                _WARNED_GROUPS.add(name)
-                _faults.warn(
-                    "otel-session: the group of trajectory function %s does not resolve at a call (%s); its "
-                    "attempts are grouped by their first request's prompt instead. Logged once.",
-                    name,
-                    exc,
-                )
-            return None
 
     return read
 
@@ -243,15 +212,45 @@ class _Boundary:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.template = trajectory(name=split(name)[1], attributes={"otel_session.boundary": name})
+        self.template = trajectory(name=name.partition(":")[2], attributes={"otel_session.boundary": name})
         self.read: Read = _nothing  # reads nothing until applied to a function
-        self.holders: set[object] = set()  # the instrumentors naming it now; none: every call passes through
+        self.holders: dict[object, _group_keys.GroupKey | None] = {}  # who names it now, with which group=
+        self.key: _group_keys.GroupKey | None = None  # the group= in force: the user's over a preset's
+        self.warned = False  # a group= that did not resolve at a call is one warning per name
+
+    def hold(self, holder: TrajectoryFunctionsInstrumentor, key: _group_keys.GroupKey | None) -> None:
+        self.holders[holder] = key
+        self._choose()
+
+    def release(self, holder: object) -> None:
+        self.holders.pop(holder, None)
+        self._choose()
+
+    def _choose(self) -> None:
+        keys = sorted(
+            ((bool(getattr(h, "presets", ())), k) for h, k in self.holders.items() if k is not None),
+            key=lambda found: found[0],
+        )
+        key = keys[0][1] if keys else None
+        self.warned = self.warned and key == self.key  # a new group= is told about anew
+        self.key = key
+
+    def unresolved(self, key: _group_keys.GroupKey, why: str) -> None:
+        if not self.warned:
+            self.warned = True
+            _faults.warn(
+                "otel-session: trajectory function %s: group=%s does not resolve at a call (%s), so its "
+                "attempts run without a group (no parent for their siblings); told once",
+                self.name,
+                key.text,
+                why,
+            )
 
     def __call__(self, wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.holders or _serving(wrapped):  # a stale reference, or one inside opens the attempt
             return wrapped(*args, **kwargs)
         try:
-            attributes, group = self.read(args, kwargs)
+            attributes, group = self.read(args, kwargs, self)
             template = self.template._fresh(attributes, group)
         except Exception as exc:  # a bug of ours must not fail the rollout: it runs as it would
             _faults.report(f"opening a trajectory for {self.name}", exc)
@@ -314,7 +313,6 @@ _BOUNDARIES: dict[str, _Boundary] = {}
 # Every attribute wrapped, in order: (boundary, owner, attribute, proxy, copied down from a base).
 _WRAPPED: list[tuple[_Boundary, Any, str, _Proxy, bool]] = []
 _WARNED: set[str] = set()  # names already warned about: once per process, however often configured
-_WARNED_GROUPS: set[str] = set()  # entries whose group path failed at a call, already warned about
 
 
 def _never_imported(module: str) -> str:
@@ -371,6 +369,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
             return
         super().__init__()
         self._names: tuple[str, ...] = ()
+        self._keys: dict[str, _group_keys.GroupKey | None] = {}  # each name's group=, where it says one
         self._hooked: set[str] = set()  # modules with a post-import hook (cannot be removed)
         self._applied: set[str] = set()
         self._exit_check = False
@@ -388,10 +387,11 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         super()._instrument(**kwargs)
         with _LOCK:
-            self._names = self.names()
+            self._keys = dict(_group_keys.entry(entry) for entry in self.names())
+            self._names = tuple(self._keys)
             self._applied = set()
-            for name in self._names:  # in force from now on, also wrappers left from an earlier time
-                _BOUNDARIES.setdefault(name, _Boundary(name)).holders.add(self)
+            for name, key in self._keys.items():  # in force from now on, also wrappers left from earlier
+                _BOUNDARIES.setdefault(name, _Boundary(name)).hold(self, key)
             for name in self._names:
                 module = name.partition(":")[0]
                 if module not in self._hooked:
@@ -430,8 +430,8 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
                     "the script being run (__main__) cannot be hooked before its functions exist: name a "
                     "function in a module it imports, or decorate it with @otel_session.trajectory"
                 )
-            owner, attribute, target = _resolve(module, split(name)[1])
-            boundary.read = _reader(getattr(owner, attribute), name)
+            owner, attribute, target = _resolve(module, name.partition(":")[2])
+            boundary.read = _reader(getattr(owner, attribute))
             proxy = _Proxy(target, boundary, owner, attribute)
             copied = attribute not in vars(owner)  # inherited: wrapped on this class only, never its base
             setattr(owner, attribute, proxy)
@@ -451,7 +451,7 @@ class TrajectoryFunctionsInstrumentor(SessionInstrumentor):
         super()._uninstrument(**kwargs)
         with _LOCK:
             for boundary in _BOUNDARIES.values():
-                boundary.holders.discard(self)
+                boundary.release(self)
             for boundary, owner, attribute, proxy, copied in reversed(_WRAPPED):  # a wrapper on top first
                 if boundary.holders:
                     continue  # still named by another instrumentor

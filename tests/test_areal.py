@@ -1,0 +1,103 @@
+"""AReaL with zero code (issue 35, item 1): the ``otel_session_areal`` preset with AReaL's real code.
+
+AReaL 1.0.4 runs from ``.venv-rl`` (``scripts/rl_venv``: installed without its GPU-side dependencies,
+its rollout path's imports by name). The driver (tests/areal_cases/driver.py, no otel-session code) is
+started only as ``opentelemetry-instrument python driver.py`` with ``OTEL_PYTHON_DISTRO=otel_session``
+and ``OTEL_SESSION_DYNAMO_HOSTS``: AReaL's ``RemoteSGLangEngine.rollout_batch`` runs 2 prompts with
+``group_size=2`` (``GroupedRolloutWorkflow``) of ``MultiTurnWorkflow`` episodes of 3 turns, every turn
+an ``agenerate`` with a fresh ``rid``, all to the one server address it was given. The preset makes
+each ``arun_episode`` one attempt, grouped by a digest of ``data["messages"]``.
+
+What stands in: the engine (tests/token_engine.py), a loopback server answering SGLang's ``/generate``
+and recording each request's headers, configured as the Dynamo host: neither Dynamo 1.6.1 nor any
+router here serves ``/generate`` with its token ids and logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from otel_session.dynamo import ensure_model_dir
+from tests.gym_servers import ROOT
+from tests.support import run_zero_code
+from tests.token_engine import TokenEngine, Turn
+
+VENV = ROOT / ".venv-rl"
+DRIVER = ROOT / "tests" / "areal_cases" / "driver.py"
+REQUIRE_ENV = "OTEL_SESSION_REQUIRE_GYM"  # set by scripts/test: a missing venv fails, never skips
+OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
+NOTICE = "was sent outside any trajectory"
+MAX_TURNS = 3
+AMENDED = "Your answer is either wrong"  # what MultiTurnWorkflow adds to the prompt after each turn
+
+
+@dataclass
+class Run:
+    report: dict[str, Any]
+    stderr: str
+    turns: list[Turn]
+
+
+@pytest.fixture(scope="module")
+def rl_venv() -> None:
+    if not (VENV / "bin" / "opentelemetry-instrument").exists():
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+        pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+
+
+def run_driver(**env: str) -> Run:
+    model_dir = ensure_model_dir()
+    with TokenEngine(model_dir=model_dir, marker=AMENDED) as engine:
+        report, stderr = run_zero_code(
+            [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
+             engine.authority, str(model_dir)],
+            dynamo=engine.authority,
+            env={"HF_HUB_OFFLINE": "1"} | env,
+            timeout=180,
+            drop=("OTEL_", "PYTHON", "VIRTUAL_ENV"),
+        )  # fmt: skip
+    return Run(report, stderr, list(engine.turns))
+
+
+def assert_areal_ran(run: Run) -> None:
+    """AReaL's own loop did the work: 2 prompts x 2 episodes, each rewarded after its third turn."""
+    results = run.report["results"]
+    assert [r["episodes"] for r in results] == [2, 2], results
+    assert {round(x, 2) for r in results for x in r["rewards"]} == {0.81}, results  # 0.9 ** 2: 3 turns
+    assert len(run.turns) == 4 * MAX_TURNS
+
+
+def test_each_episode_is_one_session_and_each_prompts_siblings_one_parent(rl_venv: None) -> None:
+    run = run_driver()
+    assert_areal_ran(run)
+    sessions: dict[str | None, list[Turn]] = defaultdict(list)
+    for turn in run.turns:
+        sessions[turn.get("x-dynamo-session-id")].append(turn)
+    assert None not in sessions and len(sessions) == 4, list(sessions)  # an ID on every turn, one per episode
+    parents: dict[int, set[str | None]] = defaultdict(set)
+    for session, turns in sessions.items():
+        assert sorted(t.turn for t in turns) == list(range(MAX_TURNS)), (session, turns)  # one whole episode
+        (prompt,) = {t.prompt for t in turns}
+        parents[prompt] |= {t.get("x-dynamo-parent-session-id") for t in turns}
+    assert sorted(parents) == [0, 1] and all(len(p) == 1 and None not in p for p in parents.values()), parents
+    assert parents[0] != parents[1] and not (parents[0] | parents[1]) & set(sessions)
+    for turn in run.turns:
+        assert {k.lower() for k, _ in turn.headers} & OURS == {
+            "x-dynamo-session-id",
+            "x-dynamo-parent-session-id",
+        }
+    assert "does not resolve" not in run.stderr, run.stderr[-3000:]
+
+
+def test_without_the_preset_no_episode_carries_a_session(rl_venv: None) -> None:
+    """The control: ``otel_session_areal`` turned off, the same run opens no attempt, so no session."""
+    run = run_driver(OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_areal")
+    assert_areal_ran(run)
+    assert not any(t.get("x-dynamo-session-id") for t in run.turns)
+    assert NOTICE in run.stderr, run.stderr[-3000:]

@@ -1,0 +1,118 @@
+"""TRL's async GRPO with zero code (issue 35, item 1): the ``otel_session_trl`` preset, TRL's real code.
+
+TRL 1.16.0 runs from ``.venv-rl`` (``scripts/rl_venv``: torch from the local CPU wheel). The driver
+(tests/trl_cases/driver.py, no otel-session code) is started only as ``opentelemetry-instrument python
+driver.py`` with ``OTEL_PYTHON_DISTRO=otel_session`` and ``OTEL_SESSION_DYNAMO_HOSTS``; it runs TRL's
+``AsyncRolloutWorker``, whose spawned child runs ``_AsyncRolloutLoop``: 2 prompts x 2 generations, each
+rollout 3 turns (2 tool calls, each tool asking a tool server on 127.0.0.2 from TRL's tool thread pool).
+The preset makes each ``_generate_one`` one attempt, grouped by its ``group_id``.
+
+What stands in (the driver's and tests/token_engine.py's docstrings say why): the engine, a loopback
+server answering vLLM's token-in/token-out ``/v1/completions`` and recording each request's headers,
+configured as the Dynamo host (Dynamo 1.6.1 refuses TRL's ``return_token_ids``); and TRL's
+``is_vllm_available`` check in the parent, answered True.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from otel_session.dynamo import ensure_model_dir
+from tests.gym_servers import ROOT
+from tests.recorder import Recorder, Seen
+from tests.support import run_zero_code
+from tests.token_engine import STEPS, TokenEngine, Turn
+
+VENV = ROOT / ".venv-rl"
+DRIVER = ROOT / "tests" / "trl_cases" / "driver.py"
+REQUIRE_ENV = "OTEL_SESSION_REQUIRE_GYM"  # set by scripts/test: a missing venv fails, never skips
+OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
+NOTICE = "was sent outside any trajectory"
+QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # TRL's warning that trl.experimental may change
+
+
+@dataclass
+class Run:
+    report: dict[str, Any]
+    stderr: str
+    turns: list[Turn]
+    tools: list[Seen]
+
+
+@pytest.fixture(scope="module")
+def rl_venv() -> None:
+    if not (VENV / "bin" / "opentelemetry-instrument").exists():
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+        pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+
+
+def run_driver(**env: str) -> Run:
+    model_dir = ensure_model_dir()
+    with TokenEngine(model_dir=model_dir) as engine, Recorder(host="127.0.0.2") as tools:
+        report, stderr = run_zero_code(
+            [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
+             engine.url, str(model_dir)],
+            dynamo=engine.authority,
+            env={"TRL_CASE_TOOL_URL": f"{tools.url}/tool", "HF_HUB_OFFLINE": "1", **QUIET} | env,
+            timeout=240,
+            drop=("OTEL_", "PYTHON", "VIRTUAL_ENV"),
+        )  # fmt: skip
+    return Run(report, stderr, list(engine.turns), list(tools.requests))
+
+
+def assert_trl_ran(run: Run) -> None:
+    """TRL's own loop did the work: 2 whole groups of 2 scored samples, each rollout with its 2 tool calls."""
+    samples = run.report["samples"]
+    assert sorted(s["group_id"] for s in samples) == [0, 0, 1, 1], samples
+    assert all(s["prompt"].startswith(f"prompt {s['group_id']}:") and s["tools"] == STEPS for s in samples), (
+        samples
+    )
+    assert len(run.tools) >= 4 * STEPS
+
+
+def test_each_rollout_is_one_session_and_each_group_one_parent(rl_venv: None) -> None:
+    run = run_driver()
+    assert_trl_ran(run)
+    by_session: dict[str | None, list[Turn]] = defaultdict(list)
+    for turn in run.turns:
+        by_session[turn.get("x-dynamo-session-id")].append(turn)
+    assert None not in by_session, [t.headers for t in by_session.get(None, [])]  # an ID on every request
+    first = {run.turns[i].get("x-dynamo-session-id") for i in range(4)}  # the first 2 groups, opened at once
+    assert len(first) == 4, first
+    parents: dict[str | None, set[tuple[str | None, int]]] = defaultdict(set)
+    for session, turns in by_session.items():  # the worker's loop keeps starting groups until it is stopped
+        assert sorted(t.turn for t in turns) == list(range(STEPS + 1)), (
+            session,
+            turns,
+        )  # one whole conversation
+        (prompt,) = {t.prompt for t in turns}
+        (parent,) = {t.get("x-dynamo-parent-session-id") for t in turns}
+        parents[parent].add((session, prompt))
+    assert None not in parents and not set(parents) & set(by_session), parents
+    for siblings in parents.values():  # groups:2: never more than 2 under a parent, never of two prompts
+        assert len(siblings) <= 2 and len({prompt for _, prompt in siblings}) == 1, parents
+    for session in first:  # each of the first groups' two rollouts under one parent of their own
+        (siblings,) = [found for found in parents.values() if any(s == session for s, _ in found)]
+        assert len(siblings) == 2 and {s for s, _ in siblings} <= first, parents
+    for turn in run.turns:
+        assert {k.lower() for k, _ in turn.headers} & OURS <= {
+            "x-dynamo-session-id",
+            "x-dynamo-parent-session-id",
+        }
+    for seen in run.tools:  # the tool server is no router and not trusted: nothing of ours
+        assert not seen.names() & OURS, seen.headers
+    assert "does not resolve" not in run.stderr and NOTICE not in run.stderr, run.stderr[-3000:]
+
+
+def test_without_the_preset_no_rollout_carries_a_session(rl_venv: None) -> None:
+    """The control: the same run with ``otel_session_trl`` turned off has no attempt, so no session."""
+    run = run_driver(OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_trl")
+    assert_trl_ran(run)
+    assert not any(t.get("x-dynamo-session-id") for t in run.turns)
+    assert NOTICE in run.stderr, run.stderr[-3000:]
