@@ -108,6 +108,7 @@ def _child_ids(fork: object) -> list[str]:
 def test_a_child_forked_by_c_code_draws_its_own_ids() -> None:
     """libc's ``fork()`` called directly runs no ``os.register_at_fork`` hook: the child still holds the
     parent's batch, and only the process ID tells it the batch is not its own."""
+    _ids._drop_batch()  # whatever earlier tests left, the next draw starts a fresh batch
     new_session_id()  # the parent now holds the rest of a batch
     parents = list(_ids._batch[1])
     assert len(parents) >= 2
@@ -121,6 +122,7 @@ def test_a_child_forked_by_c_code_draws_its_own_ids() -> None:
 
 def test_a_child_forked_by_python_drops_the_parents_batch_at_once() -> None:
     """``os.fork()`` runs the fork hook: the child holds none of its parent's IDs, not even in memory."""
+    _ids._drop_batch()
     new_session_id()
     parents = set(_ids._batch[1])
     read_end, write_end = os.pipe()
