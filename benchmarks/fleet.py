@@ -410,7 +410,8 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def step_table(rows: Sequence[dict[str, Any]]) -> str:
     """The headline: each arm's step makespan against kv routing alone and round-robin in the same
-    cell and speedup (means over repeats), with the arm's own spread (min-max over repeats), tokens/s,
+    cell and speedup (means over repeats; beside it the range of the run-by-run ratios on the same
+    text, :func:`paired`), with the arm's own spread (min-max over repeats), tokens/s,
     TTFT p50/p90/p99 of every turn, hit rate of turns 2+, crowding (the busiest worker's turns over a
     fair share; the most requests in flight on one worker), the cores' busy fraction, and the
     verdict: "slower" when the arm's fastest repeat is slower than kv's slowest (outside both
@@ -420,8 +421,8 @@ def step_table(rows: Sequence[dict[str, Any]]) -> str:
         if "makespan_s" in r:
             cells.setdefault((r["cell"], r.get("speedup", 1.0)), {}).setdefault(r["arm"], []).append(r)
     lines = [
-        "| cell | speedup | arm | runs | step s (spread) | x kv | x rr | tok/s | TTFT p50/p90/p99 ms | "
-        "hit 2+ | busiest x fair | peak in flight | cpu busy | vs kv |",
+        "| cell | speedup | arm | runs | step s (spread) | x kv (paired) | x rr | tok/s | "
+        "TTFT p50/p90/p99 ms | hit 2+ | busiest x fair | peak in flight | cpu busy | vs kv |",
         "|" + "---|" * 14,
     ]
     for (cell, speedup), arms in cells.items():
@@ -435,6 +436,9 @@ def step_table(rows: Sequence[dict[str, Any]]) -> str:
         for arm, rs in arms.items():
             step = mean(rs, "makespan_s")
             x_kv = f"{step / mean(base, 'makespan_s'):.2f}" if base else "-"
+            pairs = paired(rs, base or [])
+            if pairs and arm != "kv":
+                x_kv += f" ({harness.span(pairs, '.2f')})"
             x_rr = f"{step / mean(rr, 'makespan_s'):.2f}" if rr else "-"
             verdict = "-"
             if base and arm != "kv":
@@ -454,6 +458,13 @@ def step_table(rows: Sequence[dict[str, Any]]) -> str:
                 f"{f' ({errors} errors)' if errors else ''} |"
             )
     return "\n".join(lines)
+
+
+def paired(rs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
+    """The arm's step over kv alone's run by run, on the same text (the same seed): where the seed
+    moves the step itself (the agentic shape's longest trajectory), the spread that matters."""
+    kv = {r.get("seed"): r["makespan_s"] for r in base}
+    return [r["makespan_s"] / kv[r.get("seed")] for r in rs if kv.get(r.get("seed"))]
 
 
 def versus(rs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> str:

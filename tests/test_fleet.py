@@ -70,6 +70,7 @@ def test_percentiles_are_nearest_rank() -> None:
 def _step_row(arm: str, makespan: float, rep: int = 0) -> dict[str, object]:
     return {
         "cell": "32w 256blk 16x8", "arm": arm, "speedup": 0.4, "makespan_s": makespan, "repeat": rep,
+        "seed": rep,
         "tokens_per_s": 1000.0, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "ttft_p99_ms": 30.0,
         "hit_rate": 0.5, "busiest_x_fair": 1.0, "cpu_busy": 0.5, "saturated": False,
     }  # fmt: skip
@@ -83,7 +84,8 @@ def test_the_step_table_judges_each_arm_by_both_spreads() -> None:
         _step_row("fast", 18.0), _step_row("fast", 19.0, 1),
     ]  # fmt: skip
     lines = {line.split(" | ")[2]: line for line in step_table(rows).splitlines()[2:]}
-    assert lines["slow"].endswith("| slower |") and "| 1.12 | 0.78 |" in lines["slow"]
+    assert lines["slow"].endswith("| slower |")
+    assert "| 1.12 (1.09-1.15) | 0.78 |" in lines["slow"]  # mean 23.5 / 21; run by run 23/20, 24/22
     assert lines["same"].endswith("| within spread |")
     assert lines["fast"].endswith("| faster |")
     assert lines["kv"].endswith("| - |") and "21.0 (20.0-22.0)" in lines["kv"]
