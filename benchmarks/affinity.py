@@ -14,18 +14,22 @@ ceiling, mean and p90 TTFT (Dynamo's own ``nvext.timing``) and worker switches p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import otel_session
-from otel_session.dynamo import LocalDynamo
-from otel_session.dynamo.workload import Workload, run_batch, summarize
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+import otel_session  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from otel_session.dynamo import LocalDynamo  # noqa: E402
+from otel_session.dynamo.workload import Workload, summarize  # noqa: E402
+
+RESULTS = harness.RESULTS
 
 
 def run_cell(workers: int, router: str, workload: Workload, concurrency: int) -> list[dict[str, Any]]:
@@ -38,11 +42,17 @@ def run_cell(workers: int, router: str, workload: Workload, concurrency: int) ->
             # A different seed per arm: the second arm must not find the first arm's prefixes cached.
             arm_load = Workload(**{**asdict(workload), "seed": workload.seed + (arm == "otel-session")})
             try:
-                results = asyncio.run(
-                    run_batch(stack.base_urls, stack.model_name, arm_load, concurrency=concurrency)
+                load = harness.run_load(
+                    stack.base_urls,
+                    stack.model_name,
+                    arm_load,
+                    concurrency=concurrency,
+                    max_retries=2,
+                    timeout=60,
                 )
             finally:
                 otel_session.unconfigure()
+            results = load.results
             summary = summarize(results, block_size=stack.block_size)
             if summary.errors:
                 raise SystemExit(
@@ -56,6 +66,8 @@ def run_cell(workers: int, router: str, workload: Workload, concurrency: int) ->
                     "arm": arm,
                     "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
                     **asdict(summary),
+                    "makespan_s": harness.step_figures(load.turns, workers)["makespan_s"],
+                    **load.cpu,
                 }
             )
             print(_line(rows[-1]), flush=True)

@@ -4,16 +4,17 @@
     python benchmarks/capacity.py --mode soft
     python benchmarks/capacity.py --time-cap 60         # bounded: measure the rate, extrapolate
 
-A real local stack (frontend + 3 mocker workers on loopback, round-robin, affinity TTL 3600 s so no
-binding idles out during the run). Every new trajectory (``otel_session.trajectory()``, aiohttp)
-sends one request, which binds its session; bindings leave only by idle TTL, so the table only grows.
-Every ``--probe-every`` sessions: a new 5-turn trajectory checks that a *new* session still stays on
-one worker (round-robin over 3 workers would move it), two early sessions check that *old* bindings
-still hold, and one request without any session header checks the router itself. The frontend's log
-is searched for "Affinity table full" and for failures. The run stops three probe rounds after the
-table is seen full (that line, a failed session, or an unpinned new one), when all sessions are sent,
-or after ``--time-cap`` seconds of filling (then the time to 65,536 is extrapolated from the rate).
-Writes ``benchmarks/results/capacity-MODE.json``.
+A real local stack (``benchmarks/harness.py``: frontend + 3 mocker workers on loopback, round-robin,
+affinity TTL 3600 s so no binding idles out during the run; the cores' busy fraction is recorded).
+Every new trajectory (``otel_session.trajectory()``, aiohttp) sends one request, which binds its
+session; bindings leave only by idle TTL, so the table only grows. Every ``--probe-every`` sessions:
+a new 5-turn trajectory checks that a *new* session still stays on one worker (round-robin over 3
+workers would move it), two early sessions check that *old* bindings still hold, and one request
+without any session header checks the router itself. The frontend's log is searched for "Affinity
+table full" and for failures. The run stops three probe rounds after the table is seen full (that
+line, a failed session, or an unpinned new one), when all sessions are sent, or after ``--time-cap``
+seconds of filling (then the time to 65,536 is extrapolated from the rate). Writes
+``benchmarks/results/capacity-MODE.json``.
 
 Measured (2 shared cores, both modes): exactly 65,536 sessions bind; from then on every request of a
 *new* session is answered ``529 {"message":"Service temporarily overloaded","type":"Overloaded"}``
@@ -40,6 +41,7 @@ if str(ROOT) not in sys.path:
 import aiohttp  # noqa: E402
 
 import otel_session  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from otel_session.dynamo import LocalDynamo, worker_id_of  # noqa: E402
 
 TABLE_SIZE = 65_536
@@ -82,6 +84,7 @@ class Result:
     extrapolated_seconds_to_full: float | None = None
     probes: list[dict[str, Any]] = field(default_factory=list)
     after_full: dict[str, Any] = field(default_factory=dict)
+    cpu: dict[str, Any] = field(default_factory=dict)  # the cores over the fill (harness.CpuWatch)
 
 
 ERRORS: list[dict[str, Any]] = []  # the first few non-200 answers, as the client saw them
@@ -143,14 +146,10 @@ def _telling_lines(stack: LocalDynamo) -> list[str]:
 
 async def run(args: argparse.Namespace) -> Result:
     result = Result()
-    stack = LocalDynamo(
-        workers=3,
-        router_mode="round-robin",
-        affinity_ttl_secs=3600,
-        affinity_mode=args.mode,
-        speedup_ratio=args.speedup,
-    )
-    with stack:
+    watch = harness.CpuWatch()
+    deployment = harness.Deployment(router="round-robin", affinity_ttl=3600, mode=args.mode)
+    with harness.stack(deployment, workers=3, speedup=args.speedup) as served, watch:
+        stack = served.stack
         otel_session.configure(dynamo_hosts=stack.hosts)
         url = stack.base_url + "/chat/completions"
         model = stack.model_name
@@ -239,6 +238,7 @@ async def run(args: argparse.Namespace) -> Result:
                 result.extrapolated_seconds_to_full = TABLE_SIZE / result.rate_per_second
             result.after_full = _after_full(result)
         otel_session.unconfigure()
+    result.cpu = watch.figures()
     return result
 
 

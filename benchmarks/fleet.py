@@ -1,74 +1,73 @@
-"""Fleet scale: what sessions are worth with 8 to 256 workers and GRPO-shaped steps (issue 29).
+"""Fleet scale: what sessions are worth to a GRPO step, per arm, on real fleets (issues 29 and 33).
 
-Every cell starts, per arm, a fresh real Dynamo 1.6.1 stack: one frontend and ONE mocker process
-hosting all the workers (``--num-workers``), each worker's KV cache sized with
-``--num-gpu-blocks-override``. The load is one GRPO step: P prompts x G siblings, every trajectory
-started at once, a prompt of about 2k tokens shared by the siblings, ``turns`` turns each adding a
-unique observation after a short environment pause, the history growing. Requests go through the
-openai SDK (AsyncOpenAI, httpx2), and otel-session makes the sessions: every attempt is a
-``trajectory(group=prompt)`` and the arm's ``configure(siblings=...)`` says which siblings name a
-common parent session (``X-Dynamo-Parent-Session-ID``). The arms:
+Every run starts, per arm, a fresh real Dynamo 1.6.1 stack (``benchmarks/harness.py``): the
+frontend (or several replicas behind a real nginx) and ONE mocker process hosting all the workers,
+each worker's KV cache sized in blocks of 16 tokens. The load is one GRPO step of a shape
+(:data:`SHAPES`, a :class:`otel_session.dynamo.workload.Workload`): P prompts x G siblings, every
+trajectory started at once, the siblings sharing their prompt, each turn re-sending the growing
+history after a pause. Requests go through the openai SDK, and otel-session makes the sessions:
+every attempt is a ``trajectory(group=prompt)`` (``/nogroup`` arms: a plain ``trajectory()``, the
+library infers the group from the first request's prompt) and the arm's ``configure(siblings=...)``
+says which siblings name a common parent session. The shapes:
 
-    rr               round-robin, no session header
-    kv               kv routing, no session header
-    kv+attempt       kv, siblings=attempt: a session per attempt, no parent
-    kv+default       kv, the library's default (groups:2)
-    kv+prompt        kv, siblings=prompt: all siblings of a prompt under one parent
-    kv+groups:K      kv, siblings=groups:K: each K siblings under a parent of their own
-    kv+auto          kv, what `otel-session doctor` recommends for the cell's fleet and batch
-                     (groups:K with K = ceil(G / max(1, workers // prompts)))
-    rr+attempt       round-robin, a session per attempt
-    kv+attempt/soft  kv, a session per attempt, soft affinity
-    kv+default/soft  kv, the default, soft affinity
-    kv+header/off    kv, the default's headers, session affinity OFF at the frontend (what ``doctor
-                     --layout kv`` recommends: the header is sent and ignored)
-    kv+default/predicted, kv+default/busy   the default with ``--router-predicted-ttl-secs 5``, or
-                     with Dynamo's busy thresholds (which reject work: errors are counted)
-    3fe:...          three frontend replicas over the same workers behind nginx, round-robin
-                     (``3fe-hash:``: hashing ``X-Dynamo-Session-ID``), with kv or round-robin routers
+    grpo     4 turns; a ~2.4k-token prompt shared by the siblings, ~150 tokens per observation;
+             pauses 0.04 s of model time, uniform 0.5-1.5x (0.2 s of wall time at --speedup 0.2)
+    agentic  a coding agent calibrated to NeMo-RL #3663 (turns per session p50 29, p90 56), turn
+             counts scaled down 4x for 2 cores: lognormal, p50 7, p90 14, at most 28; a ~3k-token
+             task shared by the siblings, ~2.3k tokens of tool output per turn (contexts reach ~17k
+             tokens at the median attempt, ~33k at p90); tool pauses lognormal with a long tail,
+             mean 1 s of model time, sigma 1.2 (p50 0.5 s, p99 about 8 s)
 
-(Rows with ``"keying_impl": "nested"`` absent were measured before the siblings API existed, with
-nested trajectories sending the same headers: an outer trajectory per group around its siblings.)
+Pauses are in model time: they are divided by ``--speedup`` (the mocker's ``--speedup-ratio``), so a
+step keeps its shape whatever the speedup and the ratio between arms can be compared across two.
 
-Every frontend runs with ``--router-session-affinity-ttl-secs`` (an arm without sessions sends no
-header, so that changes nothing for it). Arms of one repeat see the same text on a cold fleet;
-repeats use new text and rotate the arms' order.
+The arms (what the frontend runs, what otel-session sends):
 
-Per run: prefix hit rate of turns 2+ (``cached_tokens / prompt_tokens``) and its ceiling (each
-turn's previous prompt, in whole blocks), the same over all turns with a ceiling that also counts
-the siblings' shared prompt on turn 1, TTFT mean and p90 (Dynamo's ``nvext.timing``), completed
-turns per second, load balance (max over mean requests in flight per worker, sampled every 20 ms
-from each request's start, end and serving worker), workers used, worker switches per trajectory,
-trajectories pinned. The machine's load average is recorded beside each run.
+    rr, kv                 round-robin or kv routing, no session header
+    kv+header/off          the default's headers, session affinity OFF at the frontend (the header
+                           is sent and ignored: what ``doctor --layout kv`` recommends)
+    kv+default             kv, affinity on (hard), the library's default sibling keying (groups:2)
+    kv+default/nogroup     the same with a plain trajectory(): the group inferred from the prompt
+    kv+attempt             a session per attempt, no parent (the "no parent at all" arm)
+    kv+prompt, kv+groups:K all siblings of a prompt under one parent; each K under one
+    kv+auto                groups:K as ``otel-session doctor --prompts P --siblings G`` sizes it
+    kv+default/soft, kv+attempt/soft   soft affinity
+    kv+default/predicted   --router-predicted-ttl-secs 5 (siblings placed before KV events arrive)
+    kv+default/busy        Dynamo's busy thresholds (--active-decode-blocks-threshold 0.85,
+                           --active-prefill-tokens-threshold 4096), which reject work: errors counted
+    kv+default/ttl2        the session released about 2 s after its last request: an EMULATION of
+                           releasing it at the end of the attempt with a short idle TTL (the stock
+                           1.6.1 router keeps a binding after X-Dynamo-Session-Final, see
+                           tests/test_session_end.py); longer tool pauses also unpin mid-attempt
+    rr+attempt, rr+default round-robin with sessions
+    3fe:..., 3fe-hash:...  three frontend replicas over the same workers behind nginx, round-robin
+                           or hashing X-Dynamo-Session-ID consistently
 
-The headline is the step (``step_table``): its makespan, first request sent to last response, since
-a GRPO step waits for its slowest trajectory; beside it the fleet's tokens/s, TTFT p50/p90/p99, the
-busiest worker's turns over a fair share, and the cores' busy fraction over the run (``/proc/stat``;
-"saturated" above 85 %: the mocker times prefill and decode in wall-clock time, so such a run
-measured the machine). ``--speedup`` slows the mocker (``--speedup-ratio``): a ratio that holds at
-two speedups is the simulator's, not the CPU's.
+Arms of one repeat see the same text on a cold fleet; repeats use new text and rotate the arms'
+order. Per run: the step's makespan (first request sent to last response: a GRPO step waits for its
+slowest trajectory), the fleet's tokens/s over it, TTFT p50/p90/p99, per-worker crowding (the
+busiest worker's requests in flight over the fleet's mean, sampled every 20 ms; the peak in flight
+on one worker; the busiest worker's share of the turns), prefix hit rate of turns 2+
+(``cached_tokens / prompt_tokens``) and its ceiling, and the cores' busy fraction over the run
+(``/proc/stat``; "saturated" above 85 %, see ``harness.SATURATED``).
 
-    python benchmarks/fleet.py --quick                      # a couple of minutes: 8 workers, 4 arms
-    python benchmarks/fleet.py --cells issue --repeats 3    # the three cells issue 29 names
-    python benchmarks/fleet.py --cells W:B:P:G[,...]        # e.g. 32:1024:16:8,128:8192:32:8
-    python benchmarks/fleet.py --plot-only                  # table and chart from results/fleet.json
+    python benchmarks/fleet.py --quick                      # about a minute: 8 workers, 4 arms (CI)
+    python benchmarks/fleet.py --cells 32:256:16:8 --arms kv,kv+header/off,kv+default --speedup 0.2
+    python benchmarks/fleet.py --cells 16:3360:8:8:agentic --speedup 0.4
+    python benchmarks/fleet.py --plot-only                  # tables and chart from --out
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
 import os
-import random
 import statistics
 import sys
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,21 +76,28 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import otel_session  # noqa: E402
-from otel_session import trajectory  # noqa: E402
-from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, cached_tokens_of, ttft_ms_of, worker_id_of  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from otel_session.dynamo.sizing import siblings_setting  # noqa: E402
+from otel_session.dynamo.workload import TrajectoryResult, Workload  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-BLOCK_SIZE = 16
+RESULTS = harness.RESULTS
+BLOCK_SIZE = harness.BLOCK_SIZE
 AFFINITY_TTL = 300
-SAMPLE_SECONDS = 0.02
-SATURATED = 0.85  # mean busy fraction of all cores above which a run measured the machine, not the model
-_VOCABULARY = (
-    "session worker router prefix cache token model request response latency stream agent tool user "
-    "reward policy gradient rollout episode trajectory sample batch decode prefill attention layer "
-    "block memory transfer metric export python rust function method value string list file path"
-)
-_WORDS = _VOCABULARY.split()
+
+#: The step shapes (prompts, siblings and seed are the cell's); pauses in model time (see above).
+SHAPES: dict[str, Workload] = {
+    "grpo": Workload(turns=4, prompt_words=1300, turn_words=100, max_tokens=16, pause_secs=0.04),
+    "quick": Workload(turns=3, prompt_words=600, turn_words=60, max_tokens=16, pause_secs=0.04),
+    "agentic": Workload(
+        turns=7,
+        turns_p90=14,
+        prompt_words=2000,
+        turn_words=1500,
+        max_tokens=32,
+        pause_secs=1.0,
+        pause_sigma=1.2,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -100,77 +106,98 @@ class Arm:
 
     name: str
     router: str
-    keying: str  # "none", "attempt", "prompt", "groups:K" or "auto"
+    keying: str  # "none", "attempt", "default", "prompt", "groups:K" or "auto"
     mode: str = "hard"
-    affinity: bool = True  # the frontend runs with session affinity; off: the header is sent and ignored
+    affinity_ttl: int | None = AFFINITY_TTL  # None: affinity off at the frontend (the header is ignored)
     frontend_args: tuple[str, ...] = ()
-    frontends: int = 1  # more than one: replicas behind nginx (benchmarks/frontends.py), balancing as below
+    frontends: int = 1  # more than one: replicas behind nginx, balancing as below
     balancer: str = "rr"  # "rr": round-robin, "hash": consistent hashing on X-Dynamo-Session-ID
+    name_group: bool = True  # trajectory(group=prompt); False: a plain trajectory(), the group inferred
+
+    @property
+    def deployment(self) -> harness.Deployment:
+        return harness.Deployment(
+            router=self.router,
+            affinity_ttl=self.affinity_ttl,
+            mode="soft" if self.mode == "soft" else "hard",
+            frontends=self.frontends,
+            balancer="hash" if self.balancer == "hash" else "rr",
+            frontend_args=self.frontend_args,
+        )
 
 
+_BUSY = ("--active-decode-blocks-threshold", "0.85", "--active-prefill-tokens-threshold", "4096")
 ARMS: dict[str, Arm] = {
     arm.name: arm
     for arm in (
         Arm("rr", "round-robin", "none"),
         Arm("kv", "kv", "none"),
-        Arm("kv+attempt", "kv", "attempt"),
+        Arm("kv+header/off", "kv", "default", affinity_ttl=None),
         Arm("kv+default", "kv", "default"),
+        Arm("kv+default/nogroup", "kv", "default", name_group=False),
+        Arm("kv+attempt", "kv", "attempt"),
         Arm("kv+prompt", "kv", "prompt"),
         Arm("kv+groups:2", "kv", "groups:2"),
         Arm("kv+groups:4", "kv", "groups:4"),
         Arm("kv+auto", "kv", "auto"),
-        Arm("rr+attempt", "round-robin", "attempt"),
         Arm("kv+attempt/soft", "kv", "attempt", "soft"),
         Arm("kv+default/soft", "kv", "default", "soft"),
-        Arm("kv+header/off", "kv", "default", affinity=False),
+        Arm("kv+default/predicted", "kv", "default", frontend_args=("--router-predicted-ttl-secs", "5")),
+        Arm("kv+default/busy", "kv", "default", frontend_args=_BUSY),
+        Arm("kv+default/ttl2", "kv", "default", affinity_ttl=2),
+        Arm("rr+attempt", "round-robin", "attempt"),
+        Arm("rr+default", "round-robin", "default"),
         Arm("3fe:kv", "kv", "none", frontends=3),
-        Arm("3fe:kv+header/off", "kv", "default", affinity=False, frontends=3),
+        Arm("3fe:kv+header/off", "kv", "default", affinity_ttl=None, frontends=3),
+        Arm("3fe-hash:kv+header/off", "kv", "default", affinity_ttl=None, frontends=3, balancer="hash"),
         Arm("3fe:kv+default", "kv", "default", frontends=3),
         Arm("3fe-hash:kv+default", "kv", "default", frontends=3, balancer="hash"),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
-        Arm("kv+default/predicted", "kv", "default", frontend_args=("--router-predicted-ttl-secs", "5")),
-        Arm(
-            "kv+default/busy",
-            "kv",
-            "default",
-            frontend_args=(
-                "--active-decode-blocks-threshold",
-                "0.85",
-                "--active-prefill-tokens-threshold",
-                "4096",
-            ),
-        ),
     )
 }
 
 
 @dataclass(frozen=True)
 class Cell:
-    """A fleet and a step: workers, KV blocks per worker, prompts x siblings."""
+    """A fleet and a step: workers, KV blocks per worker, prompts x siblings, and the step's shape."""
 
     workers: int
     blocks: int
     prompts: int
     siblings: int
-    turns: int = 4
-    prompt_words: int = 1300
-    turn_words: int = 100
-    pause_secs: float = 0.2
-    max_tokens: int = 16
+    shape: str = "grpo"
 
     @property
     def label(self) -> str:
-        return f"{self.workers}w {self.blocks}blk {self.prompts}x{self.siblings}"
+        suffix = "" if self.shape == "grpo" else f" {self.shape}"
+        return f"{self.workers}w {self.blocks}blk {self.prompts}x{self.siblings}{suffix}"
 
     @property
     def in_flight_per_worker(self) -> float:
         return self.prompts * self.siblings / self.workers
 
+    def workload(self, seed: int, speedup: float = 1.0, name_group: bool = True) -> Workload:
+        """The step this cell runs: its shape with the cell's batch, pauses in wall time."""
+        shape = SHAPES[self.shape]
+        return replace(
+            shape,
+            prompts=self.prompts,
+            siblings=self.siblings,
+            seed=seed,
+            pause_secs=shape.pause_secs / speedup,
+            name_group=name_group,
+        )
+
     @classmethod
     def parse(cls, text: str) -> Cell:
-        workers, blocks, prompts, siblings = (int(part) for part in text.split(":"))
-        return cls(workers, blocks, prompts, siblings)
+        """``W:B:P:G`` or ``W:B:P:G:shape``."""
+        parts = text.split(":")
+        shape = parts[4] if len(parts) > 4 else "grpo"
+        if len(parts) not in (4, 5) or shape not in SHAPES:
+            raise ValueError(f"{text!r}: expected W:B:P:G[:shape], shape one of {', '.join(SHAPES)}")
+        workers, blocks, prompts, siblings = (int(part) for part in parts[:4])
+        return cls(workers, blocks, prompts, siblings, shape)
 
 
 def siblings_of(keying: str, cell: Cell) -> str | None:
@@ -190,329 +217,119 @@ def group_size(setting: str, cell: Cell) -> int | None:
     return None
 
 
-@dataclass
-class Request:
-    turn: int
-    worker: int | None
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_ms: float | None
-    start: float
-    end: float
-    completion_tokens: int = 0
-
-
-@dataclass
-class Attempt:
-    prompt: int
-    sibling: int
-    requests: list[Request] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def workers(self) -> list[int | None]:
-        return [r.worker for r in self.requests]
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
-
-
-async def _attempt(client: Any, model: str, cell: Cell, seed: int, p: int, s: int, keyed: bool) -> Attempt:
-    prompt_rng = random.Random(f"{seed}/{p}")
-    turn_rng = random.Random(f"{seed}/{p}/{s}")
-    messages: list[dict[str, str]] = [
-        {"role": "system", "content": "You are a careful agent."},
-        {"role": "user", "content": _text(prompt_rng, cell.prompt_words)},  # shared by the siblings
-    ]
-    result = Attempt(p, s)
-    # group=p: the siblings' prompt, as NeMo-RL's preset names it; configure(siblings=...) decides
-    # which of them name a common parent session.
-    async with trajectory(group=p) if keyed else contextlib.nullcontext():
-        try:
-            for turn in range(cell.turns):
-                if turn:
-                    await asyncio.sleep(cell.pause_secs * (0.5 + turn_rng.random()))  # the environment
-                    messages.append({"role": "user", "content": _text(turn_rng, cell.turn_words)})
-                start = time.perf_counter()
-                response = await client.chat.completions.create(
-                    model=model, messages=messages, max_tokens=cell.max_tokens, extra_body=NVEXT_EXTRA_BODY
-                )
-                usage = response.usage
-                result.requests.append(
-                    Request(
-                        turn=turn,
-                        worker=worker_id_of(response),
-                        prompt_tokens=usage.prompt_tokens if usage else 0,
-                        cached_tokens=cached_tokens_of(response) or 0,
-                        ttft_ms=ttft_ms_of(response),
-                        start=start,
-                        end=time.perf_counter(),
-                        completion_tokens=usage.completion_tokens if usage else 0,
-                    )
-                )
-                messages.append({"role": "assistant", "content": response.choices[0].message.content or ""})
-        except Exception as exc:  # one failure is reported with the others, it does not end the run
-            result.error = f"{type(exc).__name__}: {exc}"[:300]
-    return result
-
-
-async def run_step(
-    base_url: str, model: str, cell: Cell, keying: str, seed: int
-) -> tuple[list[Attempt], float]:
-    """One GRPO step, every trajectory started at once; returns the attempts and the wall time."""
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
-    began = time.perf_counter()
-    try:
-        attempts = await asyncio.gather(  # opened in this order: siblings s = 0, 1, ... of each prompt
-            *(
-                _attempt(client, model, cell, seed, p, s, keying != "none")
-                for p in range(cell.prompts)
-                for s in range(cell.siblings)
-            )
-        )
-    finally:
-        await client.close()
-    return list(attempts), time.perf_counter() - began
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores from /proc/stat; (0, 0) where there is none."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(x) for x in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-class CpuWatch:
-    """The machine's busy fraction (all cores) over a run, sampled every half second: the mocker times
-    prefill and decode in wall-clock time, so a run that saturated the cores measured the machine."""
-
-    def __init__(self) -> None:
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        last = _cpu_times()
-        while not self._stop.wait(0.5):
-            now = _cpu_times()
-            total = now[1] - last[1]
-            if total > 0:
-                self.samples.append((now[0] - last[0]) / total)
-            last = now
-
-    def __enter__(self) -> CpuWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def figures(self) -> dict[str, float | bool | None]:
-        if not self.samples:
-            return {"cpu_busy": None, "cpu_busy_p90": None, "saturated": False}
-        ordered = sorted(self.samples)
-        mean = statistics.fmean(ordered)
-        return {
-            "cpu_busy": mean,
-            "cpu_busy_p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "saturated": mean > SATURATED,
-        }
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The nearest-rank ``q`` quantile (0..1) of ``values``; ``None`` for none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def step_figures(requests: Sequence[Request], workers: int) -> dict[str, Any]:
-    """What a GRPO step costs: the makespan (first request sent to last response), tokens/s of the
-    fleet over it, TTFT p50/p90/p99 of every turn, and the busiest worker's share of the turns."""
-    if not requests:
-        return {
-            "makespan_s": 0.0, "tokens_per_s": 0.0, "ttft_p50_ms": None, "ttft_p99_ms": None,
-            "busiest_share": 0.0, "busiest_x_fair": 0.0,
-        }  # fmt: skip
-    makespan = max(r.end for r in requests) - min(r.start for r in requests)
-    tokens = sum(r.prompt_tokens + r.completion_tokens for r in requests)
-    ttfts = [r.ttft_ms for r in requests if r.ttft_ms is not None]
-    per_worker: dict[int | None, int] = {}
-    for r in requests:
-        per_worker[r.worker] = per_worker.get(r.worker, 0) + 1
-    busiest = max(per_worker.values()) / len(requests)
-    return {
-        "makespan_s": makespan,
-        "tokens_per_s": tokens / makespan if makespan > 0 else 0.0,
-        "ttft_p50_ms": percentile(ttfts, 0.5),
-        "ttft_p99_ms": percentile(ttfts, 0.99),
-        "busiest_share": busiest,
-        "busiest_x_fair": busiest * workers,  # 1.0: every worker served as many turns
-    }
-
-
-def _balance(requests: Sequence[Request], workers: int) -> float:
-    """Mean over 20 ms samples of (max requests in flight on one worker) / (mean over all workers)."""
-    if not requests:
-        return 0.0
-    t0 = min(r.start for r in requests)
-    t1 = max(r.end for r in requests)
-    ratios = []
-    t = t0
-    while t < t1:
-        active: dict[int | None, int] = {}
-        for r in requests:
-            if r.start <= t < r.end:
-                active[r.worker] = active.get(r.worker, 0) + 1
-        total = sum(active.values())
-        if total:
-            ratios.append(max(active.values()) / (total / workers))
-        t += SAMPLE_SECONDS
-    return statistics.fmean(ratios) if ratios else 0.0
-
-
-def measure(attempts: Sequence[Attempt], cell: Cell, wall: float, group: int | None = None) -> dict[str, Any]:
+def measure(
+    results: Sequence[TrajectoryResult], workers: int, wall: float, group: int | None = None
+) -> dict[str, Any]:
     """The figures of one run (see the module docstring); ``group``: siblings under one parent, for
     the share of those groups Dynamo put together (all of a group's first turns on one worker)."""
     bs = BLOCK_SIZE
-    reqs = [r for a in attempts for r in a.requests]
-    later = [r for r in reqs if r.turn > 0]
-    later_prompt = sum(r.prompt_tokens for r in later) or 1
+    turns = [t for r in results for t in r.turns]
+    later = [t for r in results for t in r.turns[1:]]
+    later_prompt = sum(t.prompt_tokens for t in later) or 1
     reach_later = sum(
         min(now.prompt_tokens, before.prompt_tokens // bs * bs)
-        for a in attempts
-        for before, now in zip(a.requests, a.requests[1:], strict=False)
+        for r in results
+        for before, now in zip(r.turns, r.turns[1:], strict=False)
     )
     # Turn 1: every sibling but one of each prompt could find the shared prompt cached.
     first_seen: set[int] = set()
     reach_first = 0
-    for a in sorted(attempts, key=lambda a: (a.prompt, a.sibling)):
-        if a.requests:
-            if a.prompt in first_seen:
-                reach_first += a.requests[0].prompt_tokens // bs * bs
-            first_seen.add(a.prompt)
-    all_prompt = sum(r.prompt_tokens for r in reqs) or 1
-    ttft_later = sorted(r.ttft_ms for r in later if r.ttft_ms is not None)
-    ttft_all = sorted(r.ttft_ms for r in reqs if r.ttft_ms is not None)
-
-    def p90(values: list[float]) -> float | None:
-        return values[min(len(values) - 1, int(0.9 * len(values)))] if values else None
-
-    switches = [sum(1 for x, y in zip(a.workers, a.workers[1:], strict=False) if x != y) for a in attempts]
-    pinned = sum(1 for a in attempts if a.requests and None not in a.workers and len(set(a.workers)) == 1)
+    for r in sorted(results, key=lambda r: (r.prompt_index, r.sibling_index)):
+        if r.turns:
+            if r.prompt_index in first_seen:
+                reach_first += r.turns[0].prompt_tokens // bs * bs
+            first_seen.add(r.prompt_index)
+    all_prompt = sum(t.prompt_tokens for t in turns) or 1
+    ttft_later = [t.ttft_ms for t in later if t.ttft_ms is not None]
+    ttft_all = [t.ttft_ms for t in turns if t.ttft_ms is not None]
     by_prompt: dict[int, set[int | None]] = {}
-    for a in attempts:
-        if a.requests:
-            by_prompt.setdefault(a.prompt, set()).add(a.requests[0].worker)
+    for r in results:
+        if r.turns:
+            by_prompt.setdefault(r.prompt_index, set()).add(r.turns[0].worker)
     together: float | None = None
     if group:
         first_workers: dict[tuple[int, int], set[int | None]] = {}
-        for a in attempts:
-            if a.requests:
-                first_workers.setdefault((a.prompt, a.sibling // group), set()).add(a.requests[0].worker)
+        for r in results:
+            if r.turns:
+                key = (r.prompt_index, r.sibling_index // group)
+                first_workers.setdefault(key, set()).add(r.turns[0].worker)
         together = (
             sum(len(w) == 1 for w in first_workers.values()) / len(first_workers) if first_workers else 0.0
         )
     return {
         "groups_together": together,
-        "trajectories": len(attempts),
-        "errors": sum(a.error is not None for a in attempts),
-        "first_error": next((a.error for a in attempts if a.error), None),
-        "turns_done": len(reqs),
-        "hit_rate": sum(r.cached_tokens for r in later) / later_prompt,
+        "trajectories": len(results),
+        "errors": sum(r.error is not None for r in results),
+        "first_error": next((r.error[:300] for r in results if r.error), None),
+        "turns_done": len(turns),
+        "hit_rate": sum(t.cached_tokens or 0 for t in later) / later_prompt,
         "ceiling": reach_later / later_prompt,
-        "hit_rate_all": sum(r.cached_tokens for r in reqs) / all_prompt,
+        "hit_rate_all": sum(t.cached_tokens or 0 for t in turns) / all_prompt,
         "ceiling_all": (reach_later + reach_first) / all_prompt,
-        "mean_prompt_tokens": statistics.fmean(r.prompt_tokens for r in reqs) if reqs else 0.0,
+        "mean_prompt_tokens": statistics.fmean(t.prompt_tokens for t in turns) if turns else 0.0,
+        "max_prompt_tokens": max((t.prompt_tokens for t in turns), default=0),
         "ttft_ms": statistics.fmean(ttft_later) if ttft_later else None,
-        "ttft_p90_ms": p90(ttft_later),
+        "ttft_p90_ms": harness.percentile(ttft_later, 0.9),  # turns 2+; the step's p90 is ttft_all_p90_ms
         "ttft_all_ms": statistics.fmean(ttft_all) if ttft_all else None,
-        "ttft_all_p90_ms": p90(ttft_all),
-        "turns_per_s": len(reqs) / wall if wall else 0.0,
-        "balance": _balance(reqs, cell.workers),
-        "workers_used": len({r.worker for r in reqs if r.worker is not None}),
-        "switches": statistics.fmean(switches) if switches else 0.0,
-        "pinned": pinned,
+        "turns_per_s": len(turns) / wall if wall else 0.0,
+        "workers_used": len({t.worker for t in turns if t.worker is not None}),
+        "switches": statistics.fmean(r.switches for r in results) if results else 0.0,
+        "pinned": sum(r.pinned for r in results),
         "workers_per_prompt_turn1": statistics.fmean(len(w) for w in by_prompt.values())
         if by_prompt
         else 0.0,
         "wall_s": wall,
-        **step_figures(reqs, cell.workers),
+        **_step(harness.step_figures(turns, workers)),
     }
 
 
-@contextlib.contextmanager
-def _balanced(frontends: list[str], arm: Arm) -> Iterator[tuple[str, list[str]]]:
-    """(base URL, router hosts) the load goes to: the one frontend, or nginx in front of several."""
-    if arm.frontends <= 1:
-        yield f"http://{frontends[0]}/v1", frontends
-        return
-    from benchmarks.frontends import Nginx
-
-    with Nginx(frontends, hash_session=arm.balancer == "hash") as nginx:
-        yield nginx.base_url, [nginx.host]
+def _step(figures: dict[str, Any]) -> dict[str, Any]:
+    # The step's TTFT p90 is of every turn; ``ttft_p90_ms`` stays the turns-2+ one older rows have.
+    figures["ttft_all_p90_ms"] = figures.pop("ttft_p90_ms")
+    return figures
 
 
 def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0) -> dict[str, Any]:
     """A fresh stack for one arm of one repeat: the fleet's caches start cold for every arm."""
-    load_before = os.getloadavg()[0]
-    watch = CpuWatch()
-    with (
-        LocalDynamo(
-            workers=cell.workers,
-            workers_per_process=cell.workers,
-            router_mode=arm.router,
-            affinity_ttl_secs=AFFINITY_TTL if arm.affinity else None,
-            affinity_mode=arm.mode,  # type: ignore[arg-type]
-            block_size=BLOCK_SIZE,
-            speedup_ratio=speedup,
-            frontends=arm.frontends,
-            frontend_args=list(arm.frontend_args),
-            worker_args=["--num-gpu-blocks-override", str(cell.blocks)],
-            startup_timeout=120,
-        ) as stack,
-        _balanced(stack.hosts, arm) as (base_url, hosts),
-    ):
+    machine = harness.load_figures()
+    workload = cell.workload(seed, speedup, arm.name_group)
+    with harness.stack(arm.deployment, cell.workers, cell.blocks, speedup) as served:
         setting = "none"
         if arm.keying != "none":
-            settings = otel_session.configure(dynamo_hosts=hosts, siblings=siblings_of(arm.keying, cell))
+            settings = otel_session.configure(
+                dynamo_hosts=served.hosts, siblings=siblings_of(arm.keying, cell)
+            )
             setting = str(settings.siblings)  # what the library resolved, its default included
         try:
-            with watch:
-                attempts, wall = asyncio.run(run_step(base_url, stack.model_name, cell, arm.keying, seed))
+            load = harness.run_load([served.base_url], served.stack.model_name, workload)
         finally:
             otel_session.unconfigure()
-    row = {
+    size = group_size(setting, cell)
+    shape = {k: v for k, v in asdict(workload).items() if k not in ("prompts", "siblings", "seed")}
+    return {
         **asdict(cell),
+        **shape,
         "cell": cell.label,
         "arm": arm.name,
         "router": arm.router,
         "keying": arm.keying,
         "mode": arm.mode,
-        "affinity": arm.affinity,
+        "affinity": arm.affinity_ttl is not None,
+        "affinity_ttl": arm.affinity_ttl,
         "frontends": arm.frontends,
         "balancer": arm.balancer,
         "frontend_args": list(arm.frontend_args),
+        "name_group": arm.name_group,
         "speedup": speedup,
-        "group_size": group_size(setting, cell),
+        "group_size": size,
         "siblings_setting": setting,
         "keying_impl": "api",  # configure(siblings=...) + trajectory(group=p); earlier rows: nested
         "seed": seed,
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-        **measure(attempts, cell, wall, group_size(setting, cell)),
-        **watch.figures(),
+        **machine,
+        **measure(load.results, cell.workers, load.wall, size),
+        **load.cpu,
+        "load_after": harness.load_figures()["load_before"],
     }
-    return row
 
 
 def run_cell(
@@ -522,17 +339,20 @@ def run_cell(
     seed0: int,
     sink: list[dict[str, Any]],
     out: Path | None,
-    speedup: float = 1.0,
+    speedups: Sequence[float] = (1.0,),
 ) -> None:
+    """Every arm at every speedup, ``repeats`` times, the arms' order rotated each repeat (so drift
+    in the machine's load spreads over the arms), rows saved after each run."""
     for rep in range(repeats):
         order = list(arms[rep % len(arms) :]) + list(arms[: rep % len(arms)])
-        for arm in order:
-            row = run_arm(cell, arm, seed0 + rep, speedup)
-            row["repeat"] = rep
-            sink.append(row)
-            print(_line(row), flush=True)
-            if out is not None:
-                _save(sink, out)
+        for speedup in speedups:
+            for arm in order:
+                row = run_arm(cell, arm, seed0 + rep, speedup)
+                row["repeat"] = rep
+                sink.append(row)
+                print(_line(row), flush=True)
+                if out is not None:
+                    _save(sink, out)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -540,16 +360,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 HEADER = (
-    "| cell | arm | rep | step s | tok/s | busiest x fair | cpu | hit 2+ | ceil 2+ | hit all | ceil all | "
+    "| cell | arm | rep | speedup | step s | tok/s | busiest x fair | peak | cpu | hit 2+ | ceil 2+ | "
+    "hit all | ceil all | "
     "TTFT ms | p90 | TTFT all | turns/s | "
-    "balance | used | switch | pinned | err | load |\n|" + "---|" * 21
+    "balance | used | switch | pinned | err | load |\n|" + "---|" * 23
 )
 
 
 def _line(r: dict[str, Any]) -> str:
     return (
-        f"| {r['cell']} | {r['arm']} | {r.get('repeat', 0)} | {r.get('makespan_s', r['wall_s']):.1f} | "
+        f"| {r['cell']} | {r['arm']} | {r.get('repeat', 0)} | {r.get('speedup', 1.0):g} | "
+        f"{r.get('makespan_s', r['wall_s']):.1f} | "
         f"{r.get('tokens_per_s', 0.0):.0f} | {r.get('busiest_x_fair', 0.0):.1f} | "
+        f"{r.get('peak_in_flight', 0.0):.0f} | "
         f"{_fmt(r.get('cpu_busy'), '.0%')}{' SAT' if r.get('saturated') else ''} | "
         f"{r['hit_rate']:.3f} | {r['ceiling']:.3f} | "
         f"{r['hit_rate_all']:.3f} | {r['ceiling_all']:.3f} | {_fmt(r['ttft_ms'], '.0f')} | "
@@ -557,13 +380,6 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['balance']:.2f} | {r['workers_used']} | {r['switches']:.2f} | "
         f"{r['pinned']}/{r['trajectories']} | {r['errors']} | {r['load_before']:.1f} |"
     )
-
-
-def _span(values: list[float], spec: str) -> str:
-    if not values:
-        return "-"
-    lo, hi = min(values), max(values)
-    return format(lo, spec) if format(lo, spec) == format(hi, spec) else f"{lo:{spec}}-{hi:{spec}}"
 
 
 def summary_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -579,7 +395,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
     for (cell, arm), rs in keys.items():
 
         def col(key: str, spec: str, rs: list[dict[str, Any]] = rs) -> str:
-            return _span([r[key] for r in rs if r[key] is not None], spec)
+            return harness.span([r[key] for r in rs if r[key] is not None], spec)
 
         lines.append(
             f"| {cell} | {arm} | {len(rs)} | {col('hit_rate', '.2f')} | {col('ceiling', '.2f')} | "
@@ -594,45 +410,94 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def step_table(rows: Sequence[dict[str, Any]]) -> str:
     """The headline: each arm's step makespan against kv routing alone and round-robin in the same
-    cell and speedup (means over repeats), with the arm's own spread, kv's spread, TTFT p50/p90/p99,
-    tokens/s, the busiest worker's turns over a fair share, the CPU's busy fraction, and the verdict:
-    "slower" when the arm's fastest repeat is slower than kv's slowest (outside both spreads)."""
+    cell and speedup (means over repeats; beside it the range of the run-by-run ratios on the same
+    text, :func:`paired`), with the arm's own spread (min-max over repeats), tokens/s,
+    TTFT p50/p90/p99 of every turn, hit rate of turns 2+, crowding (the busiest worker's turns over a
+    fair share; the most requests in flight on one worker), the cores' busy fraction, and the
+    verdict: "slower" when the arm's fastest repeat is slower than kv's slowest (outside both
+    spreads), "faster" the other way round, else "within spread"."""
     cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
     for r in rows:
         if "makespan_s" in r:
             cells.setdefault((r["cell"], r.get("speedup", 1.0)), {}).setdefault(r["arm"], []).append(r)
     lines = [
-        "| cell | speedup | arm | runs | step s (spread) | x kv | x rr | tok/s | TTFT p50/p90/p99 ms | "
-        "hit 2+ | busiest x fair | cpu busy | vs kv |",
-        "|" + "---|" * 13,
+        "| cell | speedup | arm | runs | step s (spread) | x kv (paired) | x rr | tok/s | "
+        "TTFT p50/p90/p99 ms | hit 2+ | busiest x fair | peak in flight | cpu busy | vs kv |",
+        "|" + "---|" * 14,
     ]
     for (cell, speedup), arms in cells.items():
         base, rr = arms.get("kv"), arms.get("rr")
 
-        def mean(rs: list[dict[str, Any]], key: str) -> float:
-            values = [r[key] for r in rs if r.get(key) is not None]
-            return statistics.fmean(values) if values else math.nan
+        def mean(rs: list[dict[str, Any]], key: str, fallback: str = "") -> float:
+            values = [r.get(key, r.get(fallback)) for r in rs]
+            kept = [v for v in values if v is not None]
+            return statistics.fmean(kept) if kept else math.nan
 
         for arm, rs in arms.items():
             step = mean(rs, "makespan_s")
             x_kv = f"{step / mean(base, 'makespan_s'):.2f}" if base else "-"
+            pairs = paired(rs, base or [])
+            if pairs and arm != "kv":
+                x_kv += f" ({harness.span(pairs, '.2f')})"
             x_rr = f"{step / mean(rr, 'makespan_s'):.2f}" if rr else "-"
             verdict = "-"
             if base and arm != "kv":
-                slower = min(r["makespan_s"] for r in rs) > max(r["makespan_s"] for r in base)
-                faster = max(r["makespan_s"] for r in rs) < min(r["makespan_s"] for r in base)
-                verdict = "slower" if slower else "faster" if faster else "within spread"
+                verdict = versus(rs, base)
             sat = sum(bool(r.get("saturated")) for r in rs)
+            errors = sum(r.get("errors", 0) for r in rs)
             lines.append(
                 f"| {cell} | {speedup:g} | {arm} | {len(rs)} | "
-                f"{step:.1f} ({_span([r['makespan_s'] for r in rs], '.1f')}) "
+                f"{step:.1f} ({harness.span([r['makespan_s'] for r in rs], '.1f')}) "
                 f"| {x_kv} | {x_rr} | {mean(rs, 'tokens_per_s'):.0f} | "
-                f"{mean(rs, 'ttft_p50_ms'):.0f}/{mean(rs, 'ttft_p90_ms'):.0f}/"
+                f"{mean(rs, 'ttft_p50_ms'):.0f}/{mean(rs, 'ttft_all_p90_ms', 'ttft_p90_ms'):.0f}/"
                 f"{mean(rs, 'ttft_p99_ms'):.0f} | "
                 f"{mean(rs, 'hit_rate'):.2f} | {mean(rs, 'busiest_x_fair'):.1f} | "
-                f"{_span([r['cpu_busy'] for r in rs if r.get('cpu_busy') is not None], '.0%')}"
-                f"{f' ({sat} saturated)' if sat else ''} | {verdict} |"
+                f"{harness.span([r['peak_in_flight'] for r in rs if 'peak_in_flight' in r], '.0f')} | "
+                f"{harness.span([r['cpu_busy'] for r in rs if r.get('cpu_busy') is not None], '.0%')}"
+                f"{f' ({sat} saturated)' if sat else ''} | {verdict}"
+                f"{f' ({errors} errors)' if errors else ''} |"
             )
+    return "\n".join(lines)
+
+
+def paired(rs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> list[float]:
+    """The arm's step over kv alone's run by run, on the same text (the same seed): where the seed
+    moves the step itself (the agentic shape's longest trajectory), the spread that matters."""
+    kv = {r.get("seed"): r["makespan_s"] for r in base}
+    return [r["makespan_s"] / kv[r.get("seed")] for r in rs if kv.get(r.get("seed"))]
+
+
+def versus(rs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]) -> str:
+    """An arm's step against kv alone's: "slower" when its fastest repeat is slower than kv's
+    slowest, "faster" when its slowest is faster than kv's fastest, else "within spread"."""
+    if min(r["makespan_s"] for r in rs) > max(r["makespan_s"] for r in base):
+        return "slower"
+    if max(r["makespan_s"] for r in rs) < min(r["makespan_s"] for r in base):
+        return "faster"
+    return "within spread"
+
+
+def speedup_check(rows: Sequence[dict[str, Any]]) -> str:
+    """Each arm's step over kv alone's, per cell, at every speedup measured: a ratio that holds at
+    two speedups is the simulator's, not the CPU's (the mocker times its work in wall-clock time)."""
+    cells: dict[str, dict[str, dict[float, list[float]]]] = {}
+    for r in rows:
+        if "makespan_s" in r:
+            by_arm = cells.setdefault(r["cell"], {})
+            by_arm.setdefault(r["arm"], {}).setdefault(r.get("speedup", 1.0), []).append(r["makespan_s"])
+    lines = ["| cell | arm | step / kv alone's at each speedup (runs) |", "|---|---|---|"]
+    for cell, by_arm in cells.items():
+        base = by_arm.get("kv", {})
+        for arm, by_speed in by_arm.items():
+            shared = sorted(s for s in by_speed if s in base)
+            if arm == "kv" or len(shared) < 2:
+                continue
+            ratios = [
+                f"{statistics.fmean(by_speed[s]) / statistics.fmean(base[s]):.2f} at {s:g} "
+                f"({len(by_speed[s])})"
+                for s in shared
+            ]
+            lines.append(f"| {cell} | {arm} | {'; '.join(ratios)} |")
     return "\n".join(lines)
 
 
@@ -701,12 +566,12 @@ def docs_table(rows: Sequence[dict[str, Any]]) -> str:
             rs = by_arm.get(arm)
             if not rs:
                 return "-"
-            hit = _span([r["hit_rate"] for r in rs], ".2f")
-            ttft = _span([r["ttft_all_ms"] for r in rs if r["ttft_all_ms"] is not None], ".0f")
+            hit = harness.span([r["hit_rate"] for r in rs], ".2f")
+            ttft = harness.span([r["ttft_all_ms"] for r in rs if r["ttft_all_ms"] is not None], ".0f")
             return f"{hit} / {ttft} ms"
 
-        runs = _span([float(len(rs)) for rs in by_arm.values()], ".0f")
-        ceiling = _span([r["ceiling"] for rs in by_arm.values() for r in rs], ".2f")
+        runs = harness.span([float(len(rs)) for rs in by_arm.values()], ".0f")
+        ceiling = harness.span([r["ceiling"] for rs in by_arm.values() for r in rs], ".2f")
         lines.append(f"| {cell} | {runs} | {ceiling} | " + " | ".join(fig(a) for a in arms) + " |")
     return "\n".join(lines)
 
@@ -907,9 +772,9 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument(
         "--speedup",
-        type=float,
-        default=1.0,
-        help="the mocker's --speedup-ratio (below 1: slower, less CPU-bound)",
+        default="1.0",
+        help="the mocker's --speedup-ratio, or several comma-separated, each run in every repeat "
+        "(below 1: slower, less CPU-bound)",
     )
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = sink if sink is not None else []
@@ -918,7 +783,7 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
             rows = json.loads(args.out.read_text())["rows"]
     if not args.plot_only:
         if args.quick:
-            cells = [Cell(8, 256, 4, 4, prompt_words=600, turn_words=60, turns=3)]
+            cells = [Cell(8, 256, 4, 4, "quick")]
             arms = [ARMS[a] for a in ("rr", "kv", "kv+attempt", "kv+default")]
             repeats = 1
         else:
@@ -929,9 +794,12 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
         print(HEADER)
         for cell in cells:
-            run_cell(cell, arms, repeats, args.seed, rows, None if args.quick else args.out, args.speedup)
+            speedups = [float(x) for x in args.speedup.split(",")]
+            run_cell(cell, arms, repeats, args.seed, rows, None if args.quick else args.out, speedups)
     print()
     print(step_table(rows))
+    print()
+    print(speedup_check(rows))
     print()
     print(summary_table(rows))
     print()

@@ -520,6 +520,23 @@ def test_doctor_for_one_kv_frontend_takes_affinity_off_as_the_recommended_settin
     assert checks["header sent"]["ok"]  # the header still leaves the process on every session request
 
 
+def test_doctor_turns_affinity_on_only_where_each_worker_holds_the_group_it_is_given(
+    dynamo_stack: LocalDynamo,
+) -> None:
+    """4 workers, 2 prompts x 4 siblings: doctor's groups:2 gives each worker one group. Turns
+    re-reading 2,500 tokens do not fit 4,096 twice; with the 2,170 the siblings share kept once, they do."""
+    shape = ["--layout", "kv", "--prompts", "2", "--siblings", "4", "--kv-tokens", "4096"]
+    steps = {}
+    for shared in ([], ["--prompt-tokens", "2170"]):
+        args = ["doctor", "--base-url", dynamo_stack.base_url, *shape, "--context-tokens", "2500", *shared]
+        proc = run_cli(*args, "--json", timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        steps[bool(shared)] = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}["step time"]["detail"]
+    assert steps[False] == step_advice("kv", False, "groups:2")
+    assert steps[True] == step_advice("kv", True, "groups:2")
+    assert "OTEL_SESSION_SIBLINGS=groups:2" in steps[True] and "turn session affinity on" in steps[True]
+
+
 def test_doctor_with_a_model_the_frontend_does_not_serve_names_the_ones_it_does(
     dynamo_stack: LocalDynamo,
 ) -> None:

@@ -209,7 +209,8 @@ def test_two_1_3_frontends_behind_a_round_robin_nginx_are_named_and_the_hashed_r
     """Dynamo 1.3.0.post1's frontends keep their session tables apart (tests/test_two_frontends.py):
     behind a real nginx taking turns between them the sessions split and the warning fires; behind
     the documented hash on X-Dynamo-Session-ID they stay whole and nothing is said."""
-    from benchmarks.frontends import measure, nginx_binary, two_frontends
+    from benchmarks.frontends import measure, two_frontends
+    from benchmarks.harness import nginx_binary
     from tests.dynamo_fixtures import dynamo_python_for
 
     if nginx_binary() is None:

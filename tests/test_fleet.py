@@ -2,33 +2,39 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 
 from benchmarks.fleet import (
     ARMS,
-    Attempt,
+    SHAPES,
     Cell,
-    Request,
     default_vs_kv,
     group_size,
     main,
     measure,
-    percentile,
     siblings_of,
-    step_figures,
+    speedup_check,
     step_table,
 )
+from benchmarks.harness import percentile, step_figures
+from otel_session.dynamo.workload import TrajectoryResult, Turn, Workload
 
 
-def _req(turn: int, worker: int, prompt: int, cached: int, start: float, end: float) -> Request:
-    return Request(turn, worker, prompt, cached, ttft_ms=10.0 * (turn + 1), start=start, end=end)
+def _req(turn: int, worker: int, prompt: int, cached: int, start: float, end: float) -> Turn:
+    return Turn(worker, prompt, cached, ttft_ms=10.0 * (turn + 1), seconds=end - start, start=start)
+
+
+def _traj(prompt: int, sibling: int, turns: list[Turn]) -> TrajectoryResult:
+    return TrajectoryResult(prompt, sibling, f"s{prompt}-{sibling}", turns)
 
 
 def test_figures_of_a_hand_made_step() -> None:
-    cell = Cell(workers=4, blocks=64, prompts=1, siblings=2, turns=2)
-    pinned = Attempt(0, 0, [_req(0, 1, 100, 0, 0.0, 1.0), _req(1, 1, 150, 96, 1.0, 2.0)])
-    moved = Attempt(0, 1, [_req(0, 2, 100, 96, 0.0, 1.0), _req(1, 3, 150, 0, 1.0, 2.0)])
-    fig = measure([pinned, moved], cell, wall=2.0)
+    pinned = _traj(0, 0, [_req(0, 1, 100, 0, 0.0, 1.0), _req(1, 1, 150, 96, 1.0, 2.0)])
+    moved = _traj(0, 1, [_req(0, 2, 100, 96, 0.0, 1.0), _req(1, 3, 150, 0, 1.0, 2.0)])
+    fig = measure([pinned, moved], workers=4, wall=2.0)
     assert fig["hit_rate"] == pytest.approx(96 / 300)
     assert fig["ceiling"] == pytest.approx(192 / 300)  # the previous prompt, in whole blocks of 16
     assert fig["ceiling_all"] == pytest.approx((192 + 96) / 500)  # plus the sibling's shared prompt
@@ -41,15 +47,16 @@ def test_figures_of_a_hand_made_step() -> None:
 
 
 def test_the_step_is_timed_from_the_first_request_to_the_last_response() -> None:
-    early = Request(0, 1, 100, 0, ttft_ms=10.0, start=1.0, end=2.0, completion_tokens=10)
-    late = Request(1, 1, 200, 96, ttft_ms=30.0, start=2.5, end=5.0, completion_tokens=10)
-    other = Request(0, 2, 100, 0, ttft_ms=20.0, start=1.5, end=3.0, completion_tokens=10)
+    early = Turn(1, 100, 0, ttft_ms=10.0, seconds=1.0, start=1.0, completion_tokens=10)
+    late = Turn(1, 200, 96, ttft_ms=30.0, seconds=2.5, start=2.5, completion_tokens=10)
+    other = Turn(2, 100, 0, ttft_ms=20.0, seconds=1.5, start=1.5, completion_tokens=10)
     fig = step_figures([early, late, other], workers=4)
     assert fig["makespan_s"] == pytest.approx(4.0)  # 1.0 to 5.0, whatever the wall clock around it
     assert fig["tokens_per_s"] == pytest.approx(430 / 4.0)
     assert fig["ttft_p50_ms"] == 20.0 and fig["ttft_p99_ms"] == 30.0
     assert fig["busiest_share"] == pytest.approx(2 / 3)  # worker 1 served two of the three turns
     assert fig["busiest_x_fair"] == pytest.approx(8 / 3)  # 4 workers: a fair share is a quarter
+    assert fig["peak_in_flight"] == 1.0  # worker 1's two turns never overlap
     assert step_figures([], workers=4)["makespan_s"] == 0.0
 
 
@@ -63,6 +70,7 @@ def test_percentiles_are_nearest_rank() -> None:
 def _step_row(arm: str, makespan: float, rep: int = 0) -> dict[str, object]:
     return {
         "cell": "32w 256blk 16x8", "arm": arm, "speedup": 0.4, "makespan_s": makespan, "repeat": rep,
+        "seed": rep,
         "tokens_per_s": 1000.0, "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "ttft_p99_ms": 30.0,
         "hit_rate": 0.5, "busiest_x_fair": 1.0, "cpu_busy": 0.5, "saturated": False,
     }  # fmt: skip
@@ -76,16 +84,17 @@ def test_the_step_table_judges_each_arm_by_both_spreads() -> None:
         _step_row("fast", 18.0), _step_row("fast", 19.0, 1),
     ]  # fmt: skip
     lines = {line.split(" | ")[2]: line for line in step_table(rows).splitlines()[2:]}
-    assert lines["slow"].endswith("| slower |") and "| 1.12 | 0.78 |" in lines["slow"]
+    assert lines["slow"].endswith("| slower |")
+    assert "| 1.12 (1.09-1.15) | 0.78 |" in lines["slow"]  # mean 23.5 / 21; run by run 23/20, 24/22
     assert lines["same"].endswith("| within spread |")
     assert lines["fast"].endswith("| faster |")
     assert lines["kv"].endswith("| - |") and "21.0 (20.0-22.0)" in lines["kv"]
 
 
 def test_one_busy_worker_is_unbalanced() -> None:
-    cell = Cell(workers=4, blocks=64, prompts=1, siblings=2, turns=1)
-    both = [Attempt(0, s, [_req(0, 7, 100, 0, 0.0, 1.0)]) for s in range(2)]
-    assert measure(both, cell, wall=1.0)["balance"] == pytest.approx(4.0)
+    both = [_traj(0, s, [_req(0, 7, 100, 0, 0.0, 1.0)]) for s in range(2)]
+    fig = measure(both, workers=4, wall=1.0)
+    assert fig["balance"] == pytest.approx(4.0) and fig["peak_in_flight"] == 2.0
 
 
 def test_group_sizes_and_the_auto_arm() -> None:
@@ -151,3 +160,39 @@ def test_workers_per_process_is_checked_before_anything_starts() -> None:
     with pytest.raises(ValueError, match=r"^workers_per_process: "):
         LocalDynamo(workers=8, workers_per_process=0)
     assert LocalDynamo(workers=8, workers_per_process=3).workers_per_process == 3
+
+
+def test_the_agentic_shape_draws_turns_and_pauses_with_long_tails() -> None:
+    shape = SHAPES["agentic"]
+    turns = [shape.turns_of(p, s) for p in range(40) for s in range(25)]
+    assert statistics.median(turns) == pytest.approx(7, abs=1)  # NeMo-RL #3663's p50 of 29, / 4
+    assert sorted(turns)[int(0.9 * len(turns))] == pytest.approx(14, abs=2)  # its p90 of 56, / 4
+    assert max(turns) <= 28 and min(turns) >= 1
+    pauses = [x for p in range(20) for s in range(20) for x in shape.pauses(p, s)[1:]]
+    assert statistics.fmean(pauses) == pytest.approx(1.0, rel=0.2)  # the mean is pause_secs
+    assert statistics.median(pauses) == pytest.approx(math.exp(-(1.2**2) / 2), rel=0.2)
+    assert max(pauses) > 8 * statistics.median(pauses)  # the long tail
+    assert shape.pauses(3, 4) == shape.pauses(3, 4) and len(shape.pauses(3, 4)) == shape.turns_of(3, 4)
+    plain = Workload(turns=4)
+    assert plain.turns_of(0, 0) == 4 and plain.pauses(0, 0) == [0.0] * 4
+
+
+def test_a_cell_names_its_shape_and_keeps_pauses_in_model_time() -> None:
+    cell = Cell.parse("16:3360:8:8:agentic")
+    assert cell == Cell(16, 3360, 8, 8, "agentic") and cell.label == "16w 3360blk 8x8 agentic"
+    assert Cell.parse("32:256:16:8").label == "32w 256blk 16x8"  # grpo cells keep their old labels
+    slow = cell.workload(seed=3, speedup=0.2, name_group=False)
+    assert (slow.prompts, slow.siblings, slow.seed, slow.name_group) == (8, 8, 3, False)
+    assert slow.pause_secs == pytest.approx(5.0)  # 1 s of model time at a fifth of the speed
+    with pytest.raises(ValueError, match="shape one of"):
+        Cell.parse("16:3360:8:8:chat")
+
+
+def test_ratios_are_compared_across_speedups() -> None:
+    rows = [
+        {**_step_row("kv", 20.0), "speedup": 0.4}, {**_step_row("x", 30.0), "speedup": 0.4},
+        {**_step_row("kv", 40.0), "speedup": 0.2}, {**_step_row("x", 62.0), "speedup": 0.2},
+        {**_step_row("y", 1.0), "speedup": 0.2},
+    ]  # fmt: skip
+    lines = speedup_check(rows).splitlines()[2:]
+    assert lines == ["| 32w 256blk 16x8 | x | 1.55 at 0.2 (1); 1.50 at 0.4 (1) |"]  # y: one speedup only

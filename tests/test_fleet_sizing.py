@@ -109,28 +109,38 @@ def test_the_step_rule_counts_whole_steps() -> None:
 
 def test_step_advice_follows_what_the_router_can_see() -> None:
     kv, unaware, both = step_advice("kv"), step_advice("unaware"), step_advice(None)
-    assert "with kv routing, turn session affinity on (--router-session-affinity-ttl-secs 600) where" in kv
-    assert "else leave session affinity off" in kv and "round-robin" not in kv.split("1.24x")[0]
-    assert unaware.startswith("with round-robin or random routing") and "X-Dynamo-Session-ID" in unaware
-    assert kv.rstrip(".").removesuffix(TAIL) in both and unaware.rstrip(".").removesuffix(TAIL) in both
+    assert kv.startswith("with kv routing, leave session affinity off (no --router-session-affinity-ttl")
+    assert "turn session affinity on" in kv.split("affinity pays only where")[1]  # on, only with grouping
+    assert "--router-mode kv" in unaware and "X-Dynamo-Session-ID" in unaware and "1.51x" in unaware
+    assert kv.rstrip(".") in both and unaware.rstrip(".") in both
     assert set(LAYOUTS) == {"kv", "unaware"}
 
 
-TAIL = " (pass --kv-tokens and --context-tokens, with --prompts and --siblings, to have it checked)"
-
-
 def test_caches_hold_counts_each_workers_share_of_the_step() -> None:
-    # the measured cells: 128 trajectories on 32 workers, contexts of about 2.5k tokens
-    assert not caches_hold(32, 128, 2_500, 256 * 16)  # 4 x 2,500 > 4,096: tight, affinity lost time
-    assert caches_hold(32, 128, 2_500, 1024 * 16)  # 10,000 <= 16,384: ample, affinity won time
+    # the measured cell: 128 trajectories (16 prompts x 8) on 32 workers of 256 blocks (4,096 tokens),
+    # turns re-reading up to 2.5k tokens of which the siblings share 2,170
+    assert not caches_hold(32, 128, 2_500, 256 * 16)  # a session each: 4 x 2,500 > 4,096
+    assert caches_hold(32, 128, 2_500, 1024 * 16)  # 10,000 <= 16,384: ample
     assert caches_hold(32, 128, 4_096, 4 * 4_096) and not caches_hold(32, 129, 4_096, 4 * 4_096)
     assert caches_hold(0, 128, 2_500, 1) and caches_hold(32, 0, 2_500, 1)  # nothing to place
+    # doctor's groups:4, one group per worker: 2,170 + 4 x 330 = 3,490 <= 4,096 (measured 0.72x kv's step)
+    assert caches_hold(32, 128, 2_500, 256 * 16, group=4, shared_tokens=2_170)
+    # the default's groups:2, two groups per worker: 2 x (2,170 + 2 x 330) > 4,096 (measured 1.26x)
+    assert not caches_hold(32, 128, 2_500, 256 * 16, group=2, shared_tokens=2_170)
+    assert not caches_hold(32, 128, 2_500, 256 * 16, group=4)  # nothing shared: 4 x 2,500 again
+    # agentic (8 workers of an H100's KV for Llama-3.1-8B scaled to 8 trajectories a worker, 107,520
+    # tokens): one group of 8 siblings per worker re-reading up to 33k, sharing 3k: does not hold
+    assert not caches_hold(8, 64, 33_000, 6_720 * 16, group=8, shared_tokens=3_000)
 
 
-def test_step_advice_turns_affinity_on_only_where_the_caches_hold() -> None:
-    for layout in (*LAYOUTS, None):
-        tight, ample = step_advice(layout, False), step_advice(layout, True)
-        assert "leave session affinity off" in tight and "affinity on" not in tight and "1.29x" in tight
-        assert "turn session affinity on (--router-session-affinity-ttl-secs 600)" in ample
+def test_step_advice_turns_affinity_on_only_with_groups_the_caches_hold() -> None:
+    for layout in ("kv", None):
+        tight, ample = step_advice(layout, False), step_advice(layout, True, "groups:4")
+        tight = tight.split("round-robin or random")[0]  # the kv part; the other layout's follows
+        assert "leave session affinity off" in tight and "turn session affinity on" not in tight
+        assert "1.26x" in tight and "1.05x" in tight
+        assert "turn session affinity on (--router-session-affinity-ttl-secs 600) together with " in ample
+        assert "OTEL_SESSION_SIBLINGS=groups:4" in ample and "0.72x" in ample
         assert "leave session affinity off" not in ample and "--kv-tokens" not in tight + ample
         assert "--kv-tokens" in step_advice(layout)  # unknown: how to have it checked
+    assert step_advice("unaware", True) == step_advice("unaware", False)  # switch to kv routing first

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.frontends import HASH_DIRECTIVE, NGINX_CONF, Nginx, measure, nginx_binary, two_frontends
+from benchmarks.frontends import measure, two_frontends
+from benchmarks.harness import HASH_DIRECTIVE, NGINX_CONF, Nginx, nginx_binary
 from otel_session.dynamo.workload import Workload
 from tests.dynamo_fixtures import dynamo_python_for
 

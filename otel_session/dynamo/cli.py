@@ -499,6 +499,7 @@ def _doctor(args: argparse.Namespace) -> int:
     report = diagnose(
         args.base_url, model=args.model, requests=args.requests, batch=batch, layout=args.layout,
         caches=(args.kv_tokens, args.context_tokens) if args.kv_tokens and args.context_tokens else None,
+        prompt_tokens=args.prompt_tokens or 0,
     )  # fmt: skip
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=2)
@@ -584,7 +585,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-tokens", type=_whole(1, 10**9), help="KV cache per worker, in tokens (with --context-tokens)"
     )
     doctor.add_argument(
-        "--context-tokens", type=_whole(1, 10**8), help="one trajectory's longest context, in tokens"
+        "--context-tokens",
+        type=_whole(1, 10**8),
+        help="the longest context a trajectory's turn re-reads (its last turn's prompt), in tokens",
+    )
+    doctor.add_argument(
+        "--prompt-tokens",
+        type=_whole(1, 10**8),
+        help="the prompt a GRPO group's siblings share, in tokens (cached once per group)",
     )
     doctor.set_defaults(func=_doctor)
     install = sub.add_parser(

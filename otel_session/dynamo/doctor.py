@@ -21,7 +21,9 @@ from otel_session.dynamo._library_log import no_session_on_purpose
 from otel_session.dynamo.sizing import (
     FULL_ANSWER,
     caches_hold,
+    sibling_group_size,
     siblings_note,
+    siblings_setting,
     sizing_note,
     step_advice,
     step_rule,
@@ -99,11 +101,13 @@ def diagnose(
     batch: tuple[int, int] | None = None,
     layout: str | None = None,
     caches: tuple[int, int] | None = None,
+    prompt_tokens: int = 0,
 ) -> Report:
     """Probe ``base_url`` (an OpenAI-compatible Dynamo frontend ending in ``/v1``); ``layout``
     (``sizing.LAYOUTS``) says what the router can see, so sessions that do not pin on one kv frontend
     read as the setting recommended there, not as a failure. ``caches``: (KV tokens per worker,
-    tokens of one trajectory's longest context), checked against ``batch`` and the fleet's size.
+    tokens of one trajectory's longest context), checked against ``batch`` and the fleet's size with
+    siblings grouped as doctor recommends, each group keeping its shared ``prompt_tokens`` once.
 
     A URL that is not one, or that carries credentials (``user:password@``), is a :class:`ValueError`
     that does not repeat them: the report prints the URL. Some probes go outside any trajectory on
@@ -219,8 +223,10 @@ def diagnose(
     stuck = sum(1 for workers in pinned if len(workers) == 1)
     fleet = _workers(base_url)
     holds = None
+    setting = siblings_setting(fleet, *batch) if batch is not None and fleet else None
     if caches is not None and batch is not None and fleet:
-        holds = caches_hold(fleet, batch[0] * batch[1], caches[1], caches[0])
+        group = sibling_group_size(fleet, *batch)
+        holds = caches_hold(fleet, batch[0] * batch[1], caches[1], caches[0], group, prompt_tokens)
     if len(free) == 1 and stuck == sessions:
         report.add(
             "sessions pinned",
@@ -243,10 +249,11 @@ def diagnose(
             f"{stuck} of {sessions} probe sessions stayed on one worker over {requests} requests",
             f"start the Dynamo frontend with {AFFINITY_FLAG} 600 (session affinity is off by default); "
             f"if it is on, a proxy or ingress in front of Dynamo is dropping the {SESSION_HEADER} header: "
-            "let it through, and hash on it if several frontends sit behind a load balancer (with kv routing "
-            "and caches that cannot hold a step's contexts, affinity off is recommended: pass --layout kv)",
+            "let it through, and hash on it if several frontends sit behind a load balancer (with kv "
+            "routing, affinity off is recommended unless siblings are grouped one group per worker in "
+            "caches that hold it: pass --layout kv)",
         )
-    report.add("step time", True, step_advice(layout, holds))
+    report.add("step time", True, step_advice(layout, holds, setting))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:
         report.add("sibling keying", True, siblings_note(fleet, *batch))

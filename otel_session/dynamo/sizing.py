@@ -195,55 +195,79 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
     )
 
 
-#: What the router can see (docs/performance.md, "Step time"): ``kv`` routing on one frontend or on
+#: What the router can see (docs/performance.md, "At fleet scale"): ``kv`` routing on one frontend or on
 #: replicas (each reads the workers' KV events), or ``unaware`` of the caches (round-robin, random).
 LAYOUTS = ("kv", "unaware")
 
+#: Step makespans measured against kv routing alone's (docs/performance.md, "At fleet scale"), the
+#: figures the advice quotes: GRPO (32 workers, 16 prompts x 8, tight caches) and agentic.
+STEP_OFF = "1.05x"  # kv, the default's headers, affinity off (GRPO; routing ignores the header)
+STEP_DEFAULT_ON = "1.26x"  # kv + the default (groups:2), affinity on (GRPO)
+STEP_GROUPED_ON = "0.72x"  # kv + doctor's groups:K, affinity on, each worker holding its group (GRPO)
+STEP_RR = "1.51x"  # round-robin, no header (GRPO)
+STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
-def caches_hold(workers: int, trajectories: int, context_tokens: int, kv_tokens_per_worker: int) -> bool:
-    """Whether each worker's KV cache holds the contexts of the trajectories it is given at once
-    (``trajectories / workers`` of ``context_tokens`` each): where it does, pinned turns find their
-    cache and affinity shortened the step; where it does not, pinning piles contexts on workers
-    that must evict them, and the kv router alone was faster."""
+
+def caches_hold(
+    workers: int,
+    trajectories: int,
+    context_tokens: int,
+    kv_tokens_per_worker: int,
+    group: int = 1,
+    shared_tokens: int = 0,
+) -> bool:
+    """Whether each worker's KV cache holds the contexts pinned to it at once: siblings pinned in
+    groups of ``group`` land on one worker each and keep their shared prompt (``shared_tokens``)
+    there once, so a worker given ``ceil(groups / workers)`` groups needs that many times
+    ``shared_tokens + group x (context_tokens - shared_tokens)``. Where it holds, pinned turns find
+    their cache and affinity shortened the step; where it does not, pinned contexts evict each other
+    on crowded workers and kv routing alone was faster."""
     if workers <= 0 or trajectories <= 0:
         return True
-    return math.ceil(trajectories / workers) * context_tokens <= kv_tokens_per_worker
+    group = max(1, group)
+    shared = min(max(0, shared_tokens), context_tokens) if group > 1 else 0
+    groups = math.ceil(trajectories / group)
+    need = math.ceil(groups / workers) * (shared + group * (context_tokens - shared))
+    return need <= kv_tokens_per_worker
 
 
-def step_advice(layout: str | None, holds: bool | None = None) -> str:
+def step_advice(layout: str | None, holds: bool | None = None, setting: str | None = None) -> str:
     """How to run the router for the shortest step, by what it can see (``LAYOUTS``; ``None``: not
-    said) and whether each worker's KV cache holds its share of the step's contexts (``holds``,
-    :func:`caches_hold`; ``None``: unknown). otel-session sends the header either way; the
-    frontend's affinity flag decides whether it pins, so this is the one setting that matters."""
+    said), whether each worker's KV cache holds the group pinned to it (``holds``, from
+    :func:`caches_hold` with the grouping ``setting`` doctor recommends, e.g. ``groups:4``; ``None``:
+    unknown). otel-session sends the header either way; the frontend's affinity flag decides whether
+    it pins, and pinning paid only with siblings grouped one group per worker in caches that hold it."""
+    grouping = f"OTEL_SESSION_SIBLINGS={setting}" if setting else "doctor's OTEL_SESSION_SIBLINGS=groups:K"
     off = (
-        "leave session affinity off (no --router-session-affinity-ttl-secs; the header is harmless "
-        "without it): where workers' caches cannot hold the contexts pinned to them, pinned trajectories "
-        "could not leave crowded workers and every affinity arm measured a longer step (kv + the default "
-        "1.29x kv routing alone's; round-robin + sessions 1.24x round-robin alone's), for a higher hit rate"
+        "leave session affinity off (no --router-session-affinity-ttl-secs): without the flag Dynamo "
+        "routes as if the header were absent, so the step is kv routing alone's (the default's headers "
+        f"measured {STEP_OFF} of it, within run-to-run spread); with the flag, pinned siblings crowd "
+        f"workers whose caches cannot hold them (affinity on with the default grouping: {STEP_DEFAULT_ON})"
     )
-    on = "turn session affinity on (--router-session-affinity-ttl-secs 600)"
-    if holds is False:
-        return f"each worker's KV cache is smaller than its share of the step's contexts: {off}."
-    kv = (
-        f"with kv routing, {on} where each worker's KV cache holds its share of the step's contexts "
-        "(step 0.90x kv routing alone's, measured), else "
-        + off.split(" (no ")[0]
-        + " (kv routing alone follows each turn's cache and still balances load)"
+    on = (
+        f"turn session affinity on (--router-session-affinity-ttl-secs 600) together with {grouping}, "
+        "one group of siblings per worker: each worker's cache holds its group's shared prompt and "
+        f"contexts, and the step measured {STEP_GROUPED_ON} kv routing alone's (with the default "
+        f"grouping, {STEP_DEFAULT_ON}: set both or neither)"
     )
     unaware = (
-        f"with round-robin or random routing, which cannot see the caches, {on} where the caches hold "
-        "(and hash any balancer on X-Dynamo-Session-ID), else leave it off"
+        "round-robin or random routing cannot see the caches: run --router-mode kv instead "
+        f"(round-robin measured {STEP_RR} kv routing alone's step); if it must stay, turn session "
+        f"affinity on and hash any balancer in front of several frontends on X-Dynamo-Session-ID "
+        f"({STEP_RR_ON} on one frontend)"
     )
-    if holds:
-        kv, unaware = (
-            f"each worker's KV cache holds its share of the step's contexts: {on}, "
-            "with kv routing (step 0.90x kv routing alone's, measured) or without",
-            "",
-        )
-        return f"{kv}; hash any balancer in front of several frontends on X-Dynamo-Session-ID."
-    tail = " (pass --kv-tokens and --context-tokens, with --prompts and --siblings, to have it checked)"
+    tail = (
+        " (pass --prompts, --siblings, --kv-tokens, --context-tokens and --prompt-tokens to have it "
+        "checked)"
+    )
+    if holds is True:
+        kv = f"with kv routing, {on}"
+    elif holds is False:
+        kv = f"with kv routing, each worker's KV cache cannot hold the group pinned to it: {off}"
+    else:
+        kv = f"with kv routing, {off}; affinity pays only where a worker's cache holds its group: {on}{tail}"
     if layout == "kv":
-        return kv + tail + "."
+        return kv + "."
     if layout == "unaware":
-        return unaware + tail + "."
-    return f"for the shortest GRPO step: {kv}; {unaware}{tail}."
+        return unaware + "."
+    return f"for the shortest GRPO step: {kv}; {unaware}."

@@ -1,15 +1,18 @@
 """A GRPO-shaped multi-turn workload, and what it tells about session affinity.
 
-The main command, the integration tests and the affinity benchmark all drive Dynamo the same way:
-``prompts x siblings`` trajectories, each one ``turns`` long and re-sending its growing history, every
-attempt inside ``otel_session.trajectory()``, through the openai SDK. Each turn records the worker
-that served it (Dynamo's ``nvext``) and the prompt tokens it found in that worker's prefix cache, so
-"did the trajectory stay on one worker, and what did that save" is read off the results.
+The main command, the integration tests and every Dynamo benchmark (affinity, frontends, fleet)
+drive Dynamo the same way: ``prompts x siblings`` trajectories, each re-sending its growing history
+turn after turn, every attempt inside ``otel_session.trajectory()``, through the openai SDK. Each
+turn records the worker that served it (Dynamo's ``nvext``), the prompt tokens it found in that
+worker's prefix cache and when it was sent and answered, so "did the trajectory stay on one worker,
+what did that save, and how long did the step take" is read off the results. The shape can also be
+agentic: turn counts and tool pauses drawn per attempt from long-tailed (lognormal) distributions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import time
@@ -74,6 +77,14 @@ class Turn:
     cached_tokens: int | None
     ttft_ms: float | None
     seconds: float
+    #: ``time.perf_counter()`` when the request was sent: a step's makespan runs from the first to the
+    #: last answer of its turns.
+    start: float = 0.0
+    completion_tokens: int = 0
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
 
 
 @dataclass
@@ -158,9 +169,22 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
+#: The 90th percentile of a standard normal: a lognormal with median m and 90th percentile q has
+#: sigma = ln(q / m) / Z90.
+Z90 = 1.2815515655446004
+
+
 @dataclass
 class Workload:
-    """The shape of a GRPO batch: how many prompts, siblings per prompt, turns, and how long."""
+    """The shape of a GRPO batch: how many prompts, siblings per prompt, turns, how long, and the
+    pauses between turns (a tool call, the environment).
+
+    ``turns`` is every attempt's turn count, or with ``turns_p90`` the median of a lognormal drawn
+    per attempt (capped at twice ``turns_p90``). ``pause_secs`` is the mean pause before each turn
+    after the first: uniform in 0.5-1.5x, or lognormal with ``pause_sigma`` when that is above 0 (a
+    long tail of slow tools). ``name_group``: each attempt passes ``trajectory(group=prompt_index)``,
+    as a framework preset does; else the library infers the group from the first request's prompt.
+    """
 
     prompts: int = 3
     siblings: int = 3
@@ -169,10 +193,40 @@ class Workload:
     turn_words: int = 150
     max_tokens: int = 16
     seed: int = 0
+    pause_secs: float = 0.0
+    pause_sigma: float = 0.0
+    turns_p90: int | None = None
+    name_group: bool = False
 
     @property
     def trajectories(self) -> int:
         return self.prompts * self.siblings
+
+    def _timing_rng(self, prompt_index: int, sibling_index: int) -> random.Random:
+        # Apart from the text's generator, so a shape with pauses keeps the text of one without.
+        return random.Random(f"{self.seed}/{prompt_index}/{sibling_index}/timing")
+
+    def turns_of(self, prompt_index: int, sibling_index: int) -> int:
+        """How many turns this attempt makes (the same every time for the same seed)."""
+        if self.turns_p90 is None or self.turns_p90 <= self.turns:
+            return self.turns
+        sigma = math.log(self.turns_p90 / self.turns) / Z90
+        drawn = self._timing_rng(prompt_index, sibling_index).lognormvariate(math.log(self.turns), sigma)
+        return max(1, min(2 * self.turns_p90, round(drawn)))
+
+    def pauses(self, prompt_index: int, sibling_index: int) -> list[float]:
+        """The pause before each turn of this attempt (0 before the first), in seconds."""
+        rng = self._timing_rng(prompt_index, sibling_index)
+        rng.random()  # the draw turns_of used
+        count = self.turns_of(prompt_index, sibling_index)
+        if self.pause_secs <= 0:
+            return [0.0] * count
+        if self.pause_sigma > 0:  # median chosen so the mean is pause_secs
+            mu = math.log(self.pause_secs) - self.pause_sigma**2 / 2
+            drawn = [rng.lognormvariate(mu, self.pause_sigma) for _ in range(count - 1)]
+        else:
+            drawn = [self.pause_secs * (0.5 + rng.random()) for _ in range(count - 1)]
+        return [0.0, *drawn]
 
 
 async def run_trajectory(
@@ -190,10 +244,14 @@ async def run_trajectory(
         {"role": "system", "content": "You are a careful agent."},
         {"role": "user", "content": _text(prompt_rng, workload.prompt_words)},  # shared by siblings
     ]
-    async with trajectory(prompt_index=prompt_index, sibling_index=sibling_index) as traj:
+    group = prompt_index if workload.name_group else None
+    pauses = workload.pauses(prompt_index, sibling_index)
+    async with trajectory(prompt_index=prompt_index, sibling_index=sibling_index, group=group) as traj:
         result = TrajectoryResult(prompt_index, sibling_index, traj.session_id or "")
         try:
-            for index in range(workload.turns):
+            for index, pause in enumerate(pauses):
+                if pause > 0:
+                    await asyncio.sleep(pause)
                 if index:
                     messages.append({"role": "user", "content": _text(turn_rng, workload.turn_words)})
                 began = time.perf_counter()
@@ -211,6 +269,8 @@ async def run_trajectory(
                         cached_tokens=cached_tokens_of(response),
                         ttft_ms=ttft_ms_of(response),
                         seconds=time.perf_counter() - began,
+                        start=began,
+                        completion_tokens=usage.completion_tokens if usage else 0,
                     )
                 )
                 messages.append({"role": "assistant", "content": response.choices[0].message.content or ""})
