@@ -126,7 +126,7 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
         assert 0 < r["makespan_s"] <= r["wall_s"] + 1e-6, r  # type: ignore[operator]
         assert r["tokens_per_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0, r  # type: ignore[operator]
         assert r["cpu_busy"] is None or 0.0 <= r["cpu_busy"] <= 1.0, r  # type: ignore[operator]
-    assert "| step s (spread) | x kv | x rr |" in out
+    assert "| step s (spread) | x kv (paired) | x rr |" in out
     default = next(r for r in rows if r["arm"] == "kv+default")
     assert default["siblings_setting"] == "groups:2" and default["group_size"] == 2
     assert default["groups_together"] == 1.0  # each pair of siblings named one parent: one worker
