@@ -126,6 +126,13 @@ def entry(text: str) -> tuple[str, GroupKey | None]:
         raise ValueError(f"{matched[1]}: {exc}") from None
 
 
+def name_of(text: str) -> str | None:
+    """The ``module:Qualified.name`` of an entry whose only fault may be its ``[...]`` part, else None:
+    a variable with a bad spec still opens the boundary, its siblings grouped by their first prompt."""
+    matched = re.fullmatch(rf"\s*({_FUNCTION})\s*\[[^\]]*\]\s*", text)
+    return matched[1] if matched else None
+
+
 def split(text: str) -> list[str]:
     """A variable's entries: separated by commas outside ``[...]`` (a separator may be a comma)."""
     entries, depth, start = [], 0, 0

@@ -254,7 +254,8 @@ class _Reader:
 
     def functions(self, value: Iterable[str] | str | None) -> tuple[str, ...]:
         """``module:Qualified.name`` entries, each with its ``[group=...]`` if it has one; a bad one
-        raises (an argument) or is left out (a variable)."""
+        raises (an argument) or is left out (a variable; one whose only fault is its ``[...]`` applies
+        without a group key, so a typo in a spec does not switch the boundary off)."""
         name = "trajectory_functions" if value is not None else ENV_TRAJECTORY_FUNCTIONS
         raw = value if value is not None else os.environ.get(name, "")
         found: list[str] = []
@@ -266,7 +267,13 @@ class _Reader:
             except ValueError as exc:
                 if value is not None:
                     raise SettingError(name, f"{name}: {exc}") from None
-                self._fail(name, f"{name}: {exc}", "that entry is left out")
+                named = _group_keys.name_of(item) if isinstance(item, str) else None
+                if named is None:
+                    self._fail(name, f"{name}: {exc}", "that entry is left out")
+                    continue
+                # Only the group spec is bad: the boundary still opens attempts, grouped by prompt.
+                self._fail(name, f"{name}: {exc}", f"{named} applies without a group key")
+                found.append(named)
         return tuple(dict.fromkeys(found))
 
 

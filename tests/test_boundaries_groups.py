@@ -196,10 +196,20 @@ def test_a_bad_group_spec_is_an_error_naming_the_argument_and_one_warning_naming
     module = _load(rollouts, dynamo)
     _run(module.run_task(module.Task(1), "t"), module.generate_one([], {}, [], "g,1"))
     sessions = {seen.path.split("/")[2]: seen.get("X-Dynamo-Session-ID") for seen in dynamo.requests}
-    assert sessions["t"] is None and sessions["g,1-0"] is not None  # a comma inside [...] is no separator
+    # A bad spec in a variable costs the group key, not the boundary: run_task still opens its attempt.
+    assert sessions["t"] is not None and sessions["g,1-0"] is not None  # a comma inside [...] is no separator
     lines = [r.getMessage() for r in caplog.records if "OTEL_SESSION_TRAJECTORY_FUNCTIONS:" in r.getMessage()]
     said = f"{rollouts}:run_task: group='task|shout': 'shout' is not a transform"
-    assert len(lines) == 1 and said in lines[0], lines
+    assert len(lines) == 1 and said in lines[0] and f"{rollouts}:run_task applies without" in lines[0], lines
+
+
+def test_only_an_entry_whose_name_is_bad_is_left_out() -> None:
+    """What keeps a boundary under a bad spec, and what does not: the name must be whole on its own."""
+    assert _group_keys.name_of("a.b:C.run[group=x|shout]") == "a.b:C.run"
+    assert _group_keys.name_of(" a:run [grp=uid] ") == "a:run"
+    assert _group_keys.name_of("a:run[group=]") == "a:run"
+    for bad in ("a:run[group=uid", "a:run", "a b:run[group=x]", "a:run[x]]", "a:[group=x]", "a:run[x]y"):
+        assert _group_keys.name_of(bad) is None, bad
 
 
 def test_the_users_group_wins_over_a_presets_for_one_function(rollouts: str, dynamo: Recorder) -> None:
