@@ -1,12 +1,14 @@
-"""The mutation run over the core rules (``bash scripts/mutate``; docs/contributing.md explains it).
+"""The mutation run over the core (``bash scripts/mutate``; docs/contributing.md explains it).
 
-mutmut 3.8.1 mutates the five modules that decide what a request may carry (``_policy``, ``_hosts``,
-``_w3c``, ``_propagator``, ``_ids``) and runs, for each mutant, the tests of ``TESTS`` that call the
-mutated function. A mutant no test fails on is a behaviour no test pins, unless it is listed in
-``scripts/mutation_equivalents.txt`` with the reason it cannot change behaviour. The run works on a
-copy in ``build/mutation`` (the checkout is never touched), prints killed, survived and equivalent per
-module, the diff of each survivor, and exits 1 when the kill rate of the non-equivalent mutants is
-below ``--threshold``, or when a mutant listed as equivalent is killed (the list is then wrong).
+mutmut 3.8.1 mutates every module that decides what a request carries or what the user is told
+(``MODULES``) and runs, for each mutant, the tests of that module's files in ``MODULES`` that called
+the mutated function in a first traced run: one traced run over all of them, then each mutant against
+its own module's tests only. A mutant no test fails on is a behaviour no test pins, unless it is
+listed in ``scripts/mutation_equivalents.txt`` with the reason it cannot change behaviour. The run
+works on a copy in ``build/mutation`` (the checkout is never touched), prints killed, survived and
+equivalent per module, the diff of each survivor, and exits 1 when the kill rate of the
+non-equivalent mutants is below ``--threshold``, or when a mutant listed as equivalent is killed
+(the list is then wrong).
 """
 
 from __future__ import annotations
@@ -24,10 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "mutation"
 EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.txt"
-MODULES = ("_policy", "_hosts", "_w3c", "_propagator", "_ids")
-# The fast-tier tests that exercise the five modules directly; mutmut runs, per mutant, those of them
-# that reached the mutated function in a first traced run.
-TESTS = (
+# The first five: the rules of what a request may carry, pinned by these fast test files together.
+_RULES_TESTS = (
     "tests/test_policy.py",
     "tests/test_hosts.py",
     "tests/test_propagator.py",
@@ -35,14 +35,38 @@ TESTS = (
     "tests/test_ids.py",
     "tests/test_wire.py",
 )
+# Each module (under otel_session, dotted) and the fast, in-process test files whose tests may be run
+# against its mutants: only these, so a mutant of one module never waits on another module's tests.
+MODULES: dict[str, tuple[str, ...]] = {
+    "_policy": _RULES_TESTS,
+    "_hosts": _RULES_TESTS,
+    "_w3c": _RULES_TESTS,
+    "_propagator": _RULES_TESTS,
+    "_ids": _RULES_TESTS,
+}
 SEED = 20261205
 COPIED = ("otel_session", "tests", "pyproject.toml", "setup.py")
 SEPARATOR = "\u01c1"  # mutmut's separator in a method's mangled name (xǁClassǁmethod)
 
 
-def mutmut_config() -> str:
-    only = ", ".join(f'"otel_session/{module}.py"' for module in MODULES)
-    tests = ", ".join(f'"{test}"' for test in TESTS if (ROOT / test).exists())
+def path_of(module: str) -> Path:
+    """``instrumentation.httpx`` -> ``otel_session/instrumentation/httpx.py``."""
+    return Path("otel_session", *module.split(".")).with_suffix(".py")
+
+
+def module_of(mutant: str) -> str:
+    """``otel_session.instrumentation.httpx.x_f__mutmut_3`` -> ``instrumentation.httpx``."""
+    return mutant.partition("__mutmut_")[0].rpartition(".")[0].removeprefix("otel_session.")
+
+
+def tests_of(modules: list[str]) -> list[str]:
+    """The test files of ``modules``, each once, in order."""
+    return [t for t in dict.fromkeys(t for m in modules for t in MODULES[m]) if (ROOT / t).exists()]
+
+
+def mutmut_config(modules: list[str]) -> str:
+    only = ", ".join(f'"{path_of(module)}"' for module in modules)
+    tests = ", ".join(f'"{test}"' for test in tests_of(modules))
     return (
         "\n[tool.mutmut]\n"
         'source_paths = ["otel_session"]\n'
@@ -53,7 +77,7 @@ def mutmut_config() -> str:
     )
 
 
-def prepare() -> None:
+def prepare(modules: list[str]) -> None:
     """A fresh copy of the package and its tests, with mutmut's configuration added."""
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -65,17 +89,17 @@ def prepare() -> None:
         else:
             shutil.copy2(source, WORK / name)
     with open(WORK / "pyproject.toml", "a", encoding="utf-8") as out:
-        out.write(mutmut_config())
+        out.write(mutmut_config(modules))
 
 
-def all_mutants() -> list[str]:
+def all_mutants(modules: list[str]) -> list[str]:
     """Every mutant's name, as mutmut will name them, in a stable order."""
     from mutmut.mutation.file_mutation import mutate_file_contents
     from mutmut.utils.format_utils import get_mutant_name
 
     names = []
-    for module in MODULES:
-        path = Path("otel_session") / f"{module}.py"
+    for module in modules:
+        path = path_of(module)
         made = mutate_file_contents(str(path), (WORK / path).read_text(encoding="utf-8"))
         names += [get_mutant_name(path, name) for name in made.mutant_names]
     return sorted(names)
@@ -95,8 +119,7 @@ def changed_lines(mutant: str) -> tuple[str, ...]:
     """The lines the mutant takes away (``-``) and puts in (``+``), stripped: what identifies it."""
     from mutmut.mutation.diff_apply import get_diff_for_mutant
 
-    module = mutant.partition("__mutmut_")[0].rpartition(".")[0]
-    diff = get_diff_for_mutant(mutant, path=Path(*module.split(".")).with_suffix(".py"))
+    diff = get_diff_for_mutant(mutant, path=path_of(module_of(mutant)))
     return tuple(
         line[0] + " " + line[1:].strip()
         for line in diff.splitlines()
@@ -124,12 +147,17 @@ def read_equivalents() -> dict[tuple[str, tuple[str, ...]], str]:
     return found
 
 
-def run_mutmut(names: list[str], jobs: int, everything: bool) -> float:
-    env = dict(os.environ, HYPOTHESIS_PROFILE="mutation", PYTHONDONTWRITEBYTECODE="1")
+def run_mutmut(modules: list[str], names: list[str], jobs: int, everything: bool) -> float:
+    env = dict(
+        os.environ,
+        HYPOTHESIS_PROFILE="mutation",
+        PYTHONDONTWRITEBYTECODE="1",
+        MUTATE_TESTS=json.dumps({f"otel_session.{m}": MODULES[m] for m in modules}),
+    )
     command = [
         sys.executable,
-        "-c",
-        "from mutmut.__main__ import cli; cli()",
+        str(Path(__file__).resolve()),
+        "--mutmut",
         "run",
         "--max-children",
         str(jobs),
@@ -147,12 +175,38 @@ def run_mutmut(names: list[str], jobs: int, everything: bool) -> float:
     return took
 
 
-def results() -> dict[str, str]:
+def mutmut_with_tests_by_module() -> None:
+    """mutmut's command line, with each mutant run against its own module's test files only.
+
+    After mutmut's traced run maps each function to the tests that called it, the tests of another
+    module's files are dropped from each mapping (``MUTATE_TESTS``: module -> its files), so a mutant
+    of ``_settings``, whose functions every test reaches through ``configure()``, runs the settings
+    tests only.
+    """
+    import mutmut.__main__ as mutmut_main
+    from mutmut.state import state
+
+    files_by_module: dict[str, list[str]] = json.loads(os.environ["MUTATE_TESTS"])
+    collect = mutmut_main.collect_or_load_stats
+
+    def collect_then_keep_own(*args: object, **kwargs: object) -> None:
+        collect(*args, **kwargs)  # type: ignore[arg-type]
+        for function, tests in state().tests_by_mangled_function_name.items():
+            files = files_by_module.get(function.rpartition(".")[0])
+            if files is not None:
+                tests -= {t for t in tests if t.partition("::")[0] not in files}
+
+    mutmut_main.collect_or_load_stats = collect_then_keep_own
+    sys.argv = ["mutmut", *sys.argv[2:]]
+    mutmut_main.cli()
+
+
+def results(modules: list[str]) -> dict[str, str]:
     from mutmut.stats import status_by_exit_code
 
     found = {}
-    for module in MODULES:
-        meta = json.loads((WORK / "mutants" / "otel_session" / f"{module}.py.meta").read_text())
+    for module in modules:
+        meta = json.loads((WORK / "mutants" / path_of(module)).with_suffix(".py.meta").read_text())
         for name, code in meta["exit_code_by_key"].items():
             found[name] = status_by_exit_code[code]
     return found
@@ -168,24 +222,36 @@ def main() -> int:
         "--threshold", type=float, default=95.0, help="least %% of non-equivalent mutants killed"
     )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants run at once")
-    args = parser.parse_args()
-
-    prepare()
-    os.chdir(WORK)  # mutmut reads its configuration and writes its mutants relative to here
-    names = all_mutants()
-    chosen = (
-        sorted(random.Random(args.seed).sample(names, args.sample)) if 0 < args.sample < len(names) else names
+    parser.add_argument(
+        "--module",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"only this module (repeatable): {', '.join(MODULES)}",
     )
-    tests = " ".join(test for test in TESTS if (ROOT / test).exists())
-    print(f"mutating {', '.join(MODULES)}: {len(chosen)} of {len(names)} mutants, tests {tests}", flush=True)
-    took = run_mutmut(chosen, args.jobs, chosen is names)
+    args = parser.parse_args()
+    modules = [name.replace("/", ".").removesuffix(".py") for name in args.module] or list(MODULES)
+    unknown = [name for name in modules if name not in MODULES]
+    if unknown:
+        parser.error(f"not a module of the run: {', '.join(unknown)} (the run's: {', '.join(MODULES)})")
 
-    status = results()
+    prepare(modules)
+    os.chdir(WORK)  # mutmut reads its configuration and writes its mutants relative to here
+    names = all_mutants(modules)
+    chosen = sample(names, args.sample, args.seed) if 0 < args.sample < len(names) else names
+    print(
+        f"mutating {', '.join(modules)}: {len(chosen)} of {len(names)} mutants, "
+        f"tests {' '.join(tests_of(modules))}",
+        flush=True,
+    )
+    took = run_mutmut(modules, chosen, args.jobs, chosen is names)
+
+    status = results(modules)
     equivalents = read_equivalents()
-    rows: dict[str, dict[str, int]] = {m: dict(killed=0, survived=0, equivalent=0) for m in MODULES}
+    rows: dict[str, dict[str, int]] = {m: dict(killed=0, survived=0, equivalent=0) for m in modules}
     survivors, wrongly_listed = [], []
     for name in chosen:
-        module = name.split(".")[1]
+        module = module_of(name)
         killed = status[name] in ("killed", "timeout")
         key = None
         if not killed or equivalents:
@@ -209,7 +275,7 @@ def main() -> int:
         print(f"\nlisted as equivalent but killed: {name} [{key[0]}] {' / '.join(key[1])}")
 
     print(
-        f"\n{'module':<12} {'mutants':>7} {'killed':>7} {'survived':>8} {'equivalent':>10} {'kill rate':>9}"
+        f"\n{'module':<30} {'mutants':>7} {'killed':>7} {'survived':>8} {'equivalent':>10} {'kill rate':>9}"
     )
     total = dict(killed=0, survived=0, equivalent=0)
     for module, row in rows.items():
@@ -234,6 +300,20 @@ def main() -> int:
     return 0
 
 
+def sample(names: list[str], size: int, seed: int) -> list[str]:
+    """``size`` of ``names`` drawn with ``seed``, from every module in proportion to its mutants (at
+    least one each), so a sample of any size exercises every module's tests."""
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        by_module.setdefault(module_of(name), []).append(name)
+    shares = {module: size * len(found) / len(names) for module, found in by_module.items()}
+    counts = {module: max(1, int(share)) for module, share in shares.items()}
+    for module in sorted(shares, key=lambda m: counts[m] - shares[m])[: max(0, size - sum(counts.values()))]:
+        counts[module] += 1
+    draw = random.Random(seed)
+    return sorted(name for module, found in by_module.items() for name in draw.sample(found, counts[module]))
+
+
 def rate_of(row: dict[str, int]) -> float:
     counted = row["killed"] + row["survived"]
     return 100.0 * row["killed"] / counted if counted else 100.0
@@ -242,10 +322,13 @@ def rate_of(row: dict[str, int]) -> float:
 def line_for(module: str, row: dict[str, int]) -> str:
     count = row["killed"] + row["survived"] + row["equivalent"]
     return (
-        f"{module:<12} {count:>7} {row['killed']:>7} {row['survived']:>8} {row['equivalent']:>10} "
+        f"{module:<30} {count:>7} {row['killed']:>7} {row['survived']:>8} {row['equivalent']:>10} "
         f"{rate_of(row):>8.1f}%"
     )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] == ["--mutmut"]:  # run_mutmut's child, in the copy
+        mutmut_with_tests_by_module()
+    else:
+        sys.exit(main())
