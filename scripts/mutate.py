@@ -37,12 +37,67 @@ _RULES_TESTS = (
 )
 # Each module (under otel_session, dotted) and the fast, in-process test files whose tests may be run
 # against its mutants: only these, so a mutant of one module never waits on another module's tests.
+_SIBLINGS_TESTS = (
+    "tests/test_siblings.py",
+    "tests/test_siblings_inferred.py",
+    "tests/test_boundaries_groups.py",
+    "tests/test_trajectory.py",
+)
+_ATTEMPT_TESTS = (
+    "tests/test_trajectory.py",
+    "tests/test_carry.py",
+    "tests/test_forks.py",
+    "tests/test_leaks.py",
+    "tests/test_siblings.py",
+    "tests/test_siblings_inferred.py",
+    "tests/test_delivery.py",
+    "tests/test_threads.py",
+)
+_HOP_TESTS = (
+    "tests/test_trajectory.py",
+    "tests/test_fallback.py",
+    "tests/test_leaks.py",
+    "tests/test_faults.py",
+    "tests/test_hostile.py",
+    "tests/test_policy.py",
+    "tests/test_propagator.py",
+    "tests/test_delivery.py",
+)
+_EVIDENCE_TESTS = ("tests/test_evidence.py", "tests/test_crowding.py", "tests/test_fallback.py")
+_CLIENT_TESTS = (
+    "tests/test_leaks.py",
+    "tests/test_hostile.py",
+    "tests/test_aiohttp_client.py",
+    "tests/test_requests_client.py",
+    "tests/test_faults.py",
+    "tests/test_fallback.py",
+    "tests/test_trajectory.py",
+    "tests/test_delivery.py",
+    "tests/test_retries.py",
+    "tests/test_transparent.py",
+)
 MODULES: dict[str, tuple[str, ...]] = {
     "_policy": _RULES_TESTS,
     "_hosts": _RULES_TESTS,
     "_w3c": _RULES_TESTS,
     "_propagator": _RULES_TESTS,
     "_ids": _RULES_TESTS,
+    "_siblings": _SIBLINGS_TESTS,
+    "_prompts": _SIBLINGS_TESTS,
+    "_group_keys": ("tests/test_boundaries_groups.py", "tests/test_boundaries.py"),
+    "_trajectory": _ATTEMPT_TESTS,
+    "_hop": _HOP_TESTS,
+    "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),
+    "_carriers": ("tests/test_faults.py", "tests/test_hostile.py", "tests/test_leaks.py", "tests/test_propagator.py"),
+    "_session_end": ("tests/test_session_end_rules.py",),
+    "_evidence": _EVIDENCE_TESTS,
+    "_verdicts": _EVIDENCE_TESTS,
+    "_metrics": _EVIDENCE_TESTS,
+    "_crowding": _EVIDENCE_TESTS,
+    "instrumentation._base": _CLIENT_TESTS,
+    "instrumentation.httpx": _CLIENT_TESTS,
+    "instrumentation.aiohttp_client": _CLIENT_TESTS,
+    "instrumentation.urllib3_client": _CLIENT_TESTS,
 }
 SEED = 20261205
 COPIED = ("otel_session", "tests", "pyproject.toml", "setup.py")

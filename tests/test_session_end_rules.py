@@ -1,0 +1,252 @@
+"""The rules of ending a session (``otel_session._session_end``), in the fast tier: which routers are
+owed a notice, what each notice is on the wire, and how the slots, deadlines and warnings bound it.
+
+The real routers' side (the vLLM router releasing its binding, Dynamo's terminal request) is in
+``tests/test_session_end.py``; here a loopback Starlette server records what arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import otel_session
+from otel_session import _session_end
+from otel_session._session_end import (
+    BUDGET_SECONDS,
+    FINAL_HEADER,
+    MAX_MODELS,
+    NOTICE_DEADLINE_S,
+    Notice,
+    dynamo_final_headers,
+    final_request_body,
+    finish,
+    in_flight,
+    new_visits,
+    notices,
+)
+from tests.loopback import AsgiServer
+
+SESSION = "6d3a1f0e-8a57-4b0e-9c55-0c7d1b2d3e4f"
+PARENT = "0f3c2b1a-1111-4222-8333-444455556666"
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Router:
+    """A loopback router that lists ``models`` and records every request; ``delay`` per answer."""
+
+    models: list[object] = field(default_factory=lambda: ["m"])
+    delay: float = 0.0
+    seen: list[Recorded] = field(default_factory=list)
+    status: int = 200
+
+    async def handle(self, request: Request) -> Response:
+        body = await request.body()
+        self.seen.append(
+            Recorded(request.method, request.url.path, request.url.query, dict(request.headers), body)
+        )
+        if self.delay:
+            time.sleep(self.delay)  # the server's own thread: a router that is slow to answer
+        if request.url.path == "/v1/models":
+            return JSONResponse({"data": [{"id": m} for m in self.models] + ["not a model"]})
+        return JSONResponse({"status": "ok"}, status_code=self.status)
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST"])])
+
+    def posts(self) -> list[Recorded]:
+        return [s for s in self.seen if s.method == "POST"]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Router, AsgiServer]]:
+    router = Router()
+    with AsgiServer(router.app()) as server:
+        yield router, server
+
+
+def _visit(profile: str, server: AsgiServer) -> _session_end.Visit:
+    return (profile, "http", "127.0.0.1", server.port)
+
+
+def _wait_for(predicate: object, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_visits_are_kept_only_while_sessions_are_ended() -> None:
+    assert new_visits() is None  # not configured
+    otel_session.configure(routers={"vllm-router": ["127.0.0.1:1"]})
+    assert new_visits() is None  # configured, end_sessions off
+    otel_session.configure(routers={"vllm-router": ["127.0.0.1:1"]}, end_sessions=True)
+    assert new_visits() == set()
+
+
+def test_notices_are_owed_once_per_session_and_router_and_only_to_routers_that_end_sessions() -> None:
+    vllm = ("vllm-router", "http", "10.0.0.1", 8000)
+    dynamo = ("dynamo", "https", "::1", None)
+    plain = ("sglang", "http", "10.0.0.2", 30000)
+    bogus = ("no-such-profile", "http", "10.0.0.3", 1)
+    session = "a-" + str(time.monotonic_ns())
+    owed = notices(session, PARENT, [vllm, dynamo, plain, bogus, vllm])
+    assert [(n.ends_by, n.base, n.visit) for n in owed] == [
+        ("dynamo-final", "https://[::1]", dynamo),
+        ("vllm-finish", "http://10.0.0.1:8000", vllm),
+    ]
+    assert all(n.session == session and n.parent == PARENT for n in owed)
+    assert notices(session, None, [vllm, dynamo]) == []  # told already: never twice
+    assert len(notices(session + "-other", None, [vllm])) == 1  # another session is owed its own
+    assert notices(session, None, [(None, "http", "h", 1)]) == []  # type: ignore[list-item]
+
+
+def test_the_told_pairs_are_remembered_up_to_a_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_session_end, "_ENDED_CAP", 2)
+    monkeypatch.setattr(_session_end, "_ended", type(_session_end._ended)())
+    visit = ("vllm-router", "http", "h", 1)
+    for session in ("s1", "s2", "s3"):
+        assert len(notices(session, None, [visit])) == 1
+    assert len(_session_end._ended) == 2
+    assert len(notices("s1", None, [visit])) == 1  # the oldest was forgotten: owed again
+    assert notices("s3", None, [visit]) == []
+
+
+def test_a_base_url_brackets_an_ipv6_host_once_and_keeps_a_missing_port_out() -> None:
+    owed = notices("b-" + str(time.monotonic_ns()), None, [("vllm-router", "http", "[::1]", 80)])
+    assert owed[0].base == "http://[::1]:80"
+    owed = notices("c-" + str(time.monotonic_ns()), None, [("vllm-router", "https", "example.org", None)])
+    assert owed[0].base == "https://example.org"
+
+
+def test_dynamos_terminal_request_is_exactly_its_headers_and_the_smallest_body() -> None:
+    assert dynamo_final_headers(SESSION, None) == {
+        "Content-Type": "application/json",
+        "X-Dynamo-Session-ID": SESSION,
+        FINAL_HEADER: "true",
+    }
+    assert dynamo_final_headers(SESSION, PARENT)["X-Dynamo-Parent-Session-ID"] == PARENT
+    assert FINAL_HEADER == "X-Dynamo-Session-Final"
+    body = json.loads(final_request_body("m"))
+    assert body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "."}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+
+
+def test_the_vllm_router_gets_one_finish_with_the_session_in_its_query(
+    served: tuple[Router, AsgiServer],
+) -> None:
+    router, server = served
+    finish(SESSION + "-v", None, {_visit("vllm-router", server)})
+    _wait_for(lambda: router.posts())
+    (sent,) = router.posts()
+    assert (sent.path, sent.query, sent.body) == ("/finish_session", f"session_id={SESSION}-v", b"")
+    assert "x-dynamo-session-id" not in sent.headers and "baggage" not in sent.headers
+
+
+def test_dynamo_gets_one_final_request_per_listed_model_up_to_the_cap(
+    served: tuple[Router, AsgiServer],
+) -> None:
+    router, server = served
+    router.models = ["a", "", 7, "b", "c", "d", "e", "f"]  # "" and 7 are not model ids
+    finish(SESSION, PARENT, {_visit("dynamo", server)})
+    _wait_for(lambda: len(router.posts()) >= MAX_MODELS)
+    time.sleep(0.05)
+    posts = router.posts()
+    assert [json.loads(p.body)["model"] for p in posts] == ["a", "b", "c", "d"]
+    for post in posts:
+        assert post.path == "/v1/chat/completions"
+        assert post.headers["x-dynamo-session-id"] == SESSION
+        assert post.headers["x-dynamo-parent-session-id"] == PARENT
+        assert post.headers["x-dynamo-session-final"] == "true"
+    assert [s.path for s in router.seen if s.method == "GET"] == ["/v1/models"]
+
+
+def test_an_exit_waits_for_its_notices_but_at_most_the_budget(served: tuple[Router, AsgiServer]) -> None:
+    router, server = served
+    router.delay = BUDGET_SECONDS * 0.4
+    started = time.monotonic()
+    finish(SESSION + "-w", None, {_visit("vllm-router", server)})
+    waited = time.monotonic() - started
+    assert router.posts() and waited >= router.delay * 0.9  # it waited for the answer ...
+    router.delay = BUDGET_SECONDS + 0.5
+    started = time.monotonic()
+    finish(SESSION + "-x", None, {_visit("vllm-router", server)})
+    waited = time.monotonic() - started
+    assert BUDGET_SECONDS * 0.9 <= waited < BUDGET_SECONDS + 0.3  # ... and no longer than the budget
+    _wait_for(lambda: in_flight() == 0, timeout=NOTICE_DEADLINE_S + 2)
+
+
+def test_nothing_to_tell_returns_at_once_and_never_raises() -> None:
+    started = time.monotonic()
+    finish(SESSION, None, None)
+    finish(SESSION, None, set())
+    finish(SESSION, None, {("attempt", "http", "h", 1)})  # not a profile
+    finish(SESSION, None, 42)  # type: ignore[arg-type]  # not visits at all: reported, not raised
+    assert time.monotonic() - started < 0.1
+
+
+def test_notices_beyond_the_slots_are_dropped_and_the_exit_does_not_wait_for_them(
+    served: tuple[Router, AsgiServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router, server = served
+    monkeypatch.setattr(_session_end, "_MAX_IN_FLIGHT", 1)
+    router.delay = 0.3
+    first = threading.Thread(target=finish, args=(SESSION + "-s1", None, {_visit("vllm-router", server)}))
+    first.start()
+    _wait_for(lambda: in_flight() == 1)
+    started = time.monotonic()
+    finish(SESSION + "-s2", None, {_visit("vllm-router", server)})  # no slot: dropped, no wait
+    assert time.monotonic() - started < 0.1
+    first.join()
+    _wait_for(lambda: in_flight() == 0)
+    assert [p.query for p in router.posts()] == [f"session_id={SESSION}-s1"]
+
+
+def test_a_failing_router_is_one_warning_per_router_and_configuration(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    router = Router(models=[])
+    with AsgiServer(router.app()) as server:
+        port = server.port
+    gone = ("vllm-router", "http", "127.0.0.1", port)  # nothing listens there any more
+    otel_session.configure(routers={"vllm-router": [f"127.0.0.1:{port}"]}, end_sessions=True)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        for index in range(3):
+            finish(f"{SESSION}-f{index}", None, {gone})
+        _wait_for(lambda: in_flight() == 0)
+        lines = [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()]
+        assert len(lines) == 1 and f"vllm-router at http://127.0.0.1:{port}" in lines[0], lines
+        assert "idle out" in lines[0]
+        otel_session.configure(routers={"vllm-router": [f"127.0.0.1:{port}"]}, end_sessions=True)
+        finish(f"{SESSION}-f9", None, {gone})
+        _wait_for(lambda: in_flight() == 0)
+    lines = [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()]
+    assert len(lines) == 2  # a new configuration may warn once again
+
+
+def test_a_notice_is_a_plain_value() -> None:
+    notice = Notice("finish", "http://h", ("vllm-router", "http", "h", None), "s", None)
+    assert notice == Notice("finish", "http://h", ("vllm-router", "http", "h", None), "s", None)
