@@ -7,6 +7,10 @@ turn records the worker that served it (Dynamo's ``nvext``), the prompt tokens i
 worker's prefix cache and when it was sent and answered, so "did the trajectory stay on one worker,
 what did that save, and how long did the step take" is read off the results. The shape can also be
 agentic: turn counts and tool pauses drawn per attempt from long-tailed (lognormal) distributions.
+
+Why one module of some 330 lines: the shape, the run and the reading of its results are one
+contract that the command, the tests and the benchmarks share; split, each part would be read only
+with the others.
 """
 
 from __future__ import annotations
