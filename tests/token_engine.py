@@ -42,6 +42,8 @@ class Turn:
     prompt: int
     turn: int
     host: str
+    #: The id Dynamo gave the request (``meta_info.id``), when it went through tests/engine_adapter.py.
+    request_id: str | None = None
 
     def get(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), None)
@@ -57,7 +59,12 @@ class TokenEngine(Served):
     _served: AsgiServer | None = None
     _tokenizer: Tokenizer | None = None
 
-    def _answer(self, tokenizer: Tokenizer, steps_done: int) -> list[int]:
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._tokenizer is not None, "start() first"
+        return self._tokenizer
+
+    def answer(self, tokenizer: Tokenizer, steps_done: int) -> list[int]:
         if steps_done < STEPS:
             call = json.dumps({"name": "step", "arguments": {"n": steps_done + 1}})
             text = f"<tool_call>\n{call}\n</tool_call><|im_end|>"
@@ -65,7 +72,7 @@ class TokenEngine(Served):
             text = "done<|im_end|>"
         return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def _record(self, request: Request, ids: list[int]) -> int:
+    def record(self, request: Request, ids: list[int]) -> int:
         assert self._tokenizer is not None
         text = self._tokenizer.decode(ids, skip_special_tokens=False)
         matched = _PROMPT.search(text)
@@ -74,12 +81,12 @@ class TokenEngine(Served):
         self.turns.append(Turn(headers, int(matched[1]) if matched else -1, turn, request.url.netloc))
         return turn
 
-    async def _handle(self, request: Request) -> Response:
+    async def handle(self, request: Request) -> Response:
         assert self._tokenizer is not None
         path = request.url.path
         if path == "/generate":  # SGLang's native API
             body = json.loads(await request.body())
-            self._record(request, body["input_ids"])
+            self.record(request, body["input_ids"])
             ids = list(self._tokenizer.encode("an answer", add_special_tokens=False).ids)
             meta = {
                 "output_token_logprobs": [[-0.5, i, None] for i in ids],
@@ -91,7 +98,7 @@ class TokenEngine(Served):
         if not path.endswith("/completions"):  # health checks, model listings
             return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
         body = json.loads(await request.body())
-        ids = self._answer(self._tokenizer, self._record(request, body["prompt"]))
+        ids = self.answer(self._tokenizer, self.record(request, body["prompt"]))
         choice = {
             "index": 0,
             "text": self._tokenizer.decode(ids),
@@ -108,7 +115,7 @@ class TokenEngine(Served):
         tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
         self._tokenizer = tokenizer
-        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST"])])
+        app = Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST"])])
         self._served = AsgiServer(app, host=self.host, port=self.port).__enter__()
         self.port = self._served.port
         return self
