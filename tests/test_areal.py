@@ -27,10 +27,9 @@ from typing import Any
 import pytest
 
 from otel_session.dynamo import LocalDynamo, ensure_model_dir
-from tests.engine_adapter import DynamoAdapter
+from tests.engine_adapter import DynamoAdapter, Turn
 from tests.gym_servers import ROOT
 from tests.support import run_zero_code
-from tests.token_engine import Turn
 
 VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "areal_cases" / "driver.py"
@@ -59,7 +58,7 @@ def rl_venv() -> None:
 
 def run_driver(stack: LocalDynamo, **env: str) -> Run:
     model_dir = ensure_model_dir()
-    with DynamoAdapter(model_dir=model_dir, marker=AMENDED, dynamo=stack) as engine:
+    with DynamoAdapter(dynamo=stack, model_dir=model_dir, marker=AMENDED) as engine:
         report, stderr = run_zero_code(
             [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
              engine.authority, str(model_dir)],

@@ -27,11 +27,10 @@ from typing import Any
 import pytest
 
 from otel_session.dynamo import LocalDynamo, ensure_model_dir
-from tests.engine_adapter import DynamoAdapter
+from tests.engine_adapter import STEPS, DynamoAdapter, Turn
 from tests.gym_servers import ROOT
 from tests.recorder import Recorder, Seen
 from tests.support import run_zero_code
-from tests.token_engine import STEPS, Turn
 
 VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "trl_cases" / "driver.py"
@@ -60,7 +59,7 @@ def rl_venv() -> None:
 
 def run_driver(stack: LocalDynamo, **env: str) -> Run:
     model_dir = ensure_model_dir()
-    with DynamoAdapter(model_dir=model_dir, dynamo=stack) as engine, Recorder(host="127.0.0.2") as tools:
+    with DynamoAdapter(dynamo=stack, model_dir=model_dir) as engine, Recorder(host="127.0.0.2") as tools:
         report, stderr = run_zero_code(
             [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
              engine.url, str(model_dir)],
