@@ -12,7 +12,8 @@ import pytest
 import otel_session
 from tests.recorder import Recorder
 
-# The real local Dynamo stack: dynamo_stack, dynamo_stack_no_affinity, local_dynamo_factory.
+# The real local Dynamo stacks: dynamo_stack, dynamo_stack_generate, dynamo_stack_no_affinity, and
+# local_dynamo_factory for others.
 pytest_plugins = ["tests.dynamo_fixtures"]
 
 # The full tier only: modules that start real Dynamo, the routers, Phoenix, NeMo-Gym's venv or
@@ -27,7 +28,9 @@ SLOW_MODULES = frozenset(
         "test_areal", "test_rllm", "test_trl", "test_verifiers", "test_zerocode",
     }
 )  # fmt: skip
-SLOW_FIXTURES = frozenset({"dynamo_stack", "dynamo_stack_no_affinity", "local_dynamo_factory"})
+SLOW_FIXTURES = frozenset(
+    {"dynamo_stack", "dynamo_stack_generate", "dynamo_stack_no_affinity", "local_dynamo_factory"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,6 +6,8 @@ Use from a test module or ``tests/conftest.py``::
 
 ``dynamo_stack`` (session scope): 4 workers, round-robin, session affinity on (TTL 300 s, hard).
 ``dynamo_stack_no_affinity`` (session scope): the same with affinity off, Dynamo's default.
+``dynamo_stack_generate`` (session scope): 3 workers, round-robin, affinity on, serving SGLang's
+``/generate`` too (streamed only; tests/engine_adapter.py puts TRL and AReaL in front of it).
 ``local_dynamo_factory`` (session scope): ``factory(**LocalDynamo kwargs)`` starts another stack,
 stopped at session end -- for tests that must damage a stack (stop workers) or need other settings.
 Shared stacks must not be damaged: tests that stop workers should make their own with the factory or
@@ -38,6 +40,7 @@ __all__ = [
     "dynamo_python",
     "dynamo_python_for",
     "dynamo_stack",
+    "dynamo_stack_generate",
     "dynamo_stack_no_affinity",
     "local_dynamo_factory",
     "make_dynamo_fixture",
@@ -86,6 +89,14 @@ def make_dynamo_fixture(scope: Any = "session", **kwargs: Any) -> Callable[..., 
 
 dynamo_stack = make_dynamo_fixture(workers=4, router_mode="round-robin", affinity_ttl_secs=300)
 dynamo_stack_no_affinity = make_dynamo_fixture(workers=4, router_mode="round-robin", affinity_ttl_secs=None)
+# An odd number of workers: round-robin alone cannot keep interleaved rollouts on one worker by accident.
+dynamo_stack_generate = make_dynamo_fixture(
+    workers=3,
+    router_mode="round-robin",
+    affinity_ttl_secs=300,
+    worker_args=["--sglang-generate"],
+    env={"DYN_SGLANG_ENABLE_GENERATE": "1"},
+)
 
 
 @pytest.fixture(scope="session", params=list(DYNAMO_PYTHONS), ids=lambda v: f"dynamo-{v}")

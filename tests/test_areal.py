@@ -8,9 +8,13 @@ and ``OTEL_SESSION_DYNAMO_HOSTS``: AReaL's ``RemoteSGLangEngine.rollout_batch`` 
 an ``agenerate`` with a fresh ``rid``, all to the one server address it was given. The preset makes
 each ``arun_episode`` one attempt, grouped by a digest of ``data["messages"]``.
 
-What stands in: the engine (tests/token_engine.py), a loopback server answering SGLang's ``/generate``
-and recording each request's headers, configured as the Dynamo host: neither Dynamo 1.6.1 nor any
-router here serves ``/generate`` with its token ids and logprobs.
+The engine is the real local Dynamo (3 mocker workers, round-robin, session affinity on), serving
+SGLang's ``/generate`` itself. AReaL cannot be pointed at it directly: it posts ``"stream": false`` and
+Dynamo 1.6.1 serves ``/generate`` streamed only (501 "non-streaming SGLang generate requests are not
+implemented; set stream=true"). So AReaL's address is tests/engine_adapter.py, configured as the Dynamo
+host, which sends each request on streamed with the headers it came with and folds Dynamo's answer
+(its tokens and logprobs, unchanged) into SGLang's non-streaming one; which worker served each turn
+comes from the frontend's log.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from otel_session.dynamo import ensure_model_dir
+from otel_session.dynamo import LocalDynamo, ensure_model_dir
+from tests.engine_adapter import DynamoAdapter, Turn
 from tests.gym_servers import ROOT
 from tests.support import run_zero_code
-from tests.token_engine import TokenEngine, Turn
 
 VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "areal_cases" / "driver.py"
@@ -41,6 +45,7 @@ class Run:
     report: dict[str, Any]
     stderr: str
     turns: list[Turn]
+    workers: dict[str, int]  # Dynamo's request id -> the worker that served it
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +56,9 @@ def rl_venv() -> None:
         pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
 
 
-def run_driver(**env: str) -> Run:
+def run_driver(stack: LocalDynamo, **env: str) -> Run:
     model_dir = ensure_model_dir()
-    with TokenEngine(model_dir=model_dir, marker=AMENDED) as engine:
+    with DynamoAdapter(dynamo=stack, model_dir=model_dir, marker=AMENDED) as engine:
         report, stderr = run_zero_code(
             [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
              engine.authority, str(model_dir)],
@@ -62,7 +67,7 @@ def run_driver(**env: str) -> Run:
             timeout=180,
             drop=("OTEL_", "PYTHON", "VIRTUAL_ENV"),
         )  # fmt: skip
-    return Run(report, stderr, list(engine.turns))
+        return Run(report, stderr, list(engine.turns), engine.workers())
 
 
 def assert_areal_ran(run: Run) -> None:
@@ -71,10 +76,13 @@ def assert_areal_ran(run: Run) -> None:
     assert [r["episodes"] for r in results] == [2, 2], results
     assert {round(x, 2) for r in results for x in r["rewards"]} == {0.81}, results  # 0.9 ** 2: 3 turns
     assert len(run.turns) == 4 * MAX_TURNS
+    assert all(t.request_id in run.workers for t in run.turns), (run.turns, run.workers)  # Dynamo served each
 
 
-def test_each_episode_is_one_session_and_each_prompts_siblings_one_parent(rl_venv: None) -> None:
-    run = run_driver()
+def test_each_episode_is_one_session_on_one_worker_and_each_prompts_siblings_one_parent(
+    rl_venv: None, dynamo_stack_generate: LocalDynamo
+) -> None:
+    run = run_driver(dynamo_stack_generate)
     assert_areal_ran(run)
     sessions: dict[str | None, list[Turn]] = defaultdict(list)
     for turn in run.turns:
@@ -84,6 +92,7 @@ def test_each_episode_is_one_session_and_each_prompts_siblings_one_parent(rl_ven
     for session, turns in sessions.items():
         assert sorted(t.turn for t in turns) == list(range(MAX_TURNS)), (session, turns)  # one whole episode
         (prompt,) = {t.prompt for t in turns}
+        assert len({run.workers[str(t.request_id)] for t in turns}) == 1, turns  # Dynamo pinned the episode
         parents[prompt] |= {t.get("x-dynamo-parent-session-id") for t in turns}
     assert sorted(parents) == [0, 1] and all(len(p) == 1 and None not in p for p in parents.values()), parents
     assert parents[0] != parents[1] and not (parents[0] | parents[1]) & set(sessions)
@@ -95,9 +104,13 @@ def test_each_episode_is_one_session_and_each_prompts_siblings_one_parent(rl_ven
     assert "does not resolve" not in run.stderr, run.stderr[-3000:]
 
 
-def test_without_the_preset_no_episode_carries_a_session(rl_venv: None) -> None:
-    """The control: ``otel_session_areal`` turned off, the same run opens no attempt, so no session."""
-    run = run_driver(OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_areal")
+def test_without_the_preset_no_episode_carries_a_session(
+    rl_venv: None, dynamo_stack_generate: LocalDynamo
+) -> None:
+    """The control: ``otel_session_areal`` turned off, the same run opens no attempt, so no session, and
+    Dynamo's round-robin spreads an episode's turns over its workers."""
+    run = run_driver(dynamo_stack_generate, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_areal")
     assert_areal_ran(run)
     assert not any(t.get("x-dynamo-session-id") for t in run.turns)
+    assert len({run.workers[str(t.request_id)] for t in run.turns}) > 1, run.workers
     assert NOTICE in run.stderr, run.stderr[-3000:]

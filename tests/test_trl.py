@@ -7,10 +7,14 @@ driver.py`` with ``OTEL_PYTHON_DISTRO=otel_session`` and ``OTEL_SESSION_DYNAMO_H
 rollout 3 turns (2 tool calls, each tool asking a tool server on 127.0.0.2 from TRL's tool thread pool).
 The preset makes each ``_generate_one`` one attempt, grouped by its ``group_id``.
 
-What stands in (the driver's and tests/token_engine.py's docstrings say why): the engine, a loopback
-server answering vLLM's token-in/token-out ``/v1/completions`` and recording each request's headers,
-configured as the Dynamo host (Dynamo 1.6.1 refuses TRL's ``return_token_ids``); and TRL's
-``is_vllm_available`` check in the parent, answered True.
+The engine is the real local Dynamo (3 mocker workers, round-robin, session affinity on). TRL cannot be
+pointed at it directly: its ``/v1/completions`` sends ``return_token_ids`` (Dynamo 1.6.1: 400
+"Unsupported parameter(s)") and reads ``choices[0].token_ids`` and ``logprobs.token_logprobs``, which
+Dynamo's completions answer lacks. So TRL's engine URL is tests/engine_adapter.py, configured as the
+Dynamo host: it sends each turn to Dynamo's own ``/generate`` with the headers it came with, and answers
+TRL with the scripted turn (a tool call, then an answer: the mocker's random tokens would never call a
+tool) and Dynamo's logprobs; which worker served each turn comes from the frontend's log. Also replaced:
+TRL's ``is_vllm_available`` check in the parent, answered True (the driver says why).
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from typing import Any
 
 import pytest
 
-from otel_session.dynamo import ensure_model_dir
+from otel_session.dynamo import LocalDynamo, ensure_model_dir
+from tests.engine_adapter import STEPS, DynamoAdapter, Turn
 from tests.gym_servers import ROOT
 from tests.recorder import Recorder, Seen
 from tests.support import run_zero_code
-from tests.token_engine import STEPS, TokenEngine, Turn
 
 VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "trl_cases" / "driver.py"
@@ -42,6 +46,7 @@ class Run:
     stderr: str
     turns: list[Turn]
     tools: list[Seen]
+    workers: dict[str, int]  # Dynamo's request id -> the worker that served it
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +57,9 @@ def rl_venv() -> None:
         pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
 
 
-def run_driver(**env: str) -> Run:
+def run_driver(stack: LocalDynamo, **env: str) -> Run:
     model_dir = ensure_model_dir()
-    with TokenEngine(model_dir=model_dir) as engine, Recorder(host="127.0.0.2") as tools:
+    with DynamoAdapter(dynamo=stack, model_dir=model_dir) as engine, Recorder(host="127.0.0.2") as tools:
         report, stderr = run_zero_code(
             [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
              engine.url, str(model_dir)],
@@ -63,7 +68,7 @@ def run_driver(**env: str) -> Run:
             timeout=240,
             drop=("OTEL_", "PYTHON", "VIRTUAL_ENV"),
         )  # fmt: skip
-    return Run(report, stderr, list(engine.turns), list(tools.requests))
+        return Run(report, stderr, list(engine.turns), list(tools.requests), engine.workers())
 
 
 def assert_trl_ran(run: Run) -> None:
@@ -76,8 +81,10 @@ def assert_trl_ran(run: Run) -> None:
     assert len(run.tools) >= 4 * STEPS
 
 
-def test_each_rollout_is_one_session_and_each_group_one_parent(rl_venv: None) -> None:
-    run = run_driver()
+def test_each_rollout_is_one_session_on_one_worker_and_each_group_one_parent(
+    rl_venv: None, dynamo_stack_generate: LocalDynamo
+) -> None:
+    run = run_driver(dynamo_stack_generate)
     assert_trl_ran(run)
     by_session: dict[str | None, list[Turn]] = defaultdict(list)
     for turn in run.turns:
@@ -87,10 +94,10 @@ def test_each_rollout_is_one_session_and_each_group_one_parent(rl_venv: None) ->
     assert len(first) == 4, first
     parents: dict[str | None, set[tuple[str | None, int]]] = defaultdict(set)
     for session, turns in by_session.items():  # the worker's loop keeps starting groups until it is stopped
-        assert sorted(t.turn for t in turns) == list(range(STEPS + 1)), (
-            session,
-            turns,
-        )  # one whole conversation
+        done = sorted(t.turn for t in turns)  # one conversation, whole for the scored ones
+        assert done == list(range(STEPS + 1 if session in first else len(done))), (session, turns)
+        served = {run.workers.get(str(t.request_id)) for t in turns}  # a turn cut off by stop() has none
+        assert len(served - {None}) == 1 and (session not in first or None not in served), turns  # one worker
         (prompt,) = {t.prompt for t in turns}
         (parent,) = {t.get("x-dynamo-parent-session-id") for t in turns}
         parents[parent].add((session, prompt))
@@ -110,9 +117,13 @@ def test_each_rollout_is_one_session_and_each_group_one_parent(rl_venv: None) ->
     assert "does not resolve" not in run.stderr and NOTICE not in run.stderr, run.stderr[-3000:]
 
 
-def test_without_the_preset_no_rollout_carries_a_session(rl_venv: None) -> None:
-    """The control: the same run with ``otel_session_trl`` turned off has no attempt, so no session."""
-    run = run_driver(OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_trl")
+def test_without_the_preset_no_rollout_carries_a_session(
+    rl_venv: None, dynamo_stack_generate: LocalDynamo
+) -> None:
+    """The control: the same run with ``otel_session_trl`` turned off has no attempt, so no session, and
+    Dynamo's round-robin spreads the turns over its workers."""
+    run = run_driver(dynamo_stack_generate, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_trl")
     assert_trl_ran(run)
     assert not any(t.get("x-dynamo-session-id") for t in run.turns)
+    assert len(set(run.workers.values())) > 1, run.workers
     assert NOTICE in run.stderr, run.stderr[-3000:]

@@ -7,8 +7,9 @@ server address, as ``AREAL_LLM_SERVER_ADDRS`` naming a single router would give 
 ``GroupedRolloutWorkflow`` hands each prompt's ``data`` to 2 sibling episodes of AReaL's
 ``MultiTurnWorkflow``, whose every turn is one ``engine.agenerate`` (aiohttp, a fresh ``rid`` each
 turn) and whose reward (AReaL's ``AsyncRewardWrapper``, a process pool) is 0 until the third turn, so
-each episode runs ``MAX_TURNS`` turns. The engine is a stand-in answering SGLang's ``/generate``
-(tests/token_engine.py says why); the tokenizer is the tiny local one (no model hub here).
+each episode runs ``MAX_TURNS`` turns. The engine is the real local Dynamo behind
+tests/engine_adapter.py (whose docstring says why AReaL cannot post to Dynamo directly); the tokenizer
+is the tiny local one (no model hub here).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ rollouts in flight; the driver takes the first 4 scored samples (2 whole groups)
 
 Replaced, because it cannot run here: ``async_rollout_worker.is_vllm_available`` answers True. The
 parent-side controller refuses to start without vLLM installed, though neither process uses vLLM: the
-child only talks HTTP to the engine (a stand-in, tests/token_engine.py). The tokenizer is the tiny
-local one with TRL's shipped qwen3 chat template and its special tokens (no model hub here).
+child only talks HTTP to the engine (the real local Dynamo behind tests/engine_adapter.py). The
+tokenizer is the tiny local one with TRL's shipped qwen3 chat template and its special tokens (no
+model hub here).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ SPECIAL = [
     "</tool_response>",
     "<think>",
     "</think>",
-]  # fmt: skip  (tests/token_engine.py adds the same, in this order)
+]  # fmt: skip  (tests/engine_adapter.py adds the same, in this order)
 
 
 def main() -> None:
