@@ -38,6 +38,7 @@ _RULES_TESTS = (
 # Each module (under otel_session, dotted) and the fast, in-process test files whose tests may be run
 # against its mutants: only these, so a mutant of one module never waits on another module's tests.
 _SIBLINGS_TESTS = (
+    "tests/test_prompts.py",
     "tests/test_siblings.py",
     "tests/test_siblings_inferred.py",
     "tests/test_boundaries_groups.py",
@@ -100,7 +101,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "instrumentation.urllib3_client": _CLIENT_TESTS,
 }
 SEED = 20261205
-COPIED = ("otel_session", "tests", "pyproject.toml", "setup.py")
+COPIED = ("otel_session", "tests", "benchmarks", "pyproject.toml", "setup.py")
 SEPARATOR = "\u01c1"  # mutmut's separator in a method's mangled name (xǁClassǁmethod)
 
 
