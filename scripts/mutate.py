@@ -126,6 +126,7 @@ def mutmut_config(modules: list[str]) -> str:
     return (
         "\n[tool.mutmut]\n"
         'source_paths = ["otel_session"]\n'
+        'also_copy = ["benchmarks"]\n'  # test_leaks imports its loopback server from there
         f"only_mutate = [{only}]\n"
         # a fixed order (each test must pass alone anyway); no cache written into the copy
         'pytest_add_cli_args = ["-p", "no:randomly", "-p", "no:cacheprovider", "-m", "not slow"]\n'
