@@ -13,6 +13,7 @@ known only while one of its attempts is open, so nothing here outlives a step.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -151,6 +152,19 @@ class Inferred:
 
 
 _decide_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """``os.register_at_fork`` hook, in a forked child: the groups it inherits are its parent's open
+    attempts, which the child never ends, so a worker forked mid-attempt groups its own siblings afresh
+    (kept, they would pair its first sibling with an ended one and never forget the group)."""
+    global _lock
+    _groups.clear()
+    _lock = threading.Lock()  # another thread of the parent may have held it as it forked
+
+
+if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def open_groups() -> int:

@@ -5,11 +5,14 @@ test here failed before the fix committed with it (the commit message says what 
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import multiprocessing
 import tracemalloc
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER
@@ -88,3 +91,41 @@ def test_group_keys_changed_or_broken_during_their_attempts_leave_no_state_behin
     # measured on the unfixed code: ~430 bytes a shifted attempt (430 MB over a million attempts)
     grown = {"shifting": _traced_growth(shifting, 5000), "breaking": _traced_growth(breaking, 5000)}
     assert all(size < 200_000 for size in grown.values()), grown
+
+
+def _two_steps_of_two_siblings(url: str) -> None:
+    """In a forked worker: two GRPO steps one after the other, each two siblings of prompt "g" open at
+    once, each sending one request to the Dynamo host."""
+
+    async def sibling(step: int, index: int, opened: list[int], both_open: asyncio.Event) -> None:
+        async with otel_session.trajectory(group="g"), httpx.AsyncClient() as client:
+            opened.append(index)
+            if len(opened) == 2:
+                both_open.set()
+            await both_open.wait()
+            await client.get(f"{url}/step{step}/{index}", timeout=10)
+
+    async def steps() -> None:
+        for step in range(2):
+            opened: list[int] = []
+            both_open = asyncio.Event()
+            await asyncio.gather(*(sibling(step, index, opened, both_open) for index in range(2)))
+
+    asyncio.run(steps())
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_a_worker_forked_during_an_attempt_groups_its_own_siblings_afresh(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    with otel_session.trajectory(group="g") as launcher:  # the group is open as the worker forks
+        worker = multiprocessing.get_context("fork").Process(
+            target=_two_steps_of_two_siblings, args=(dynamo.url,)
+        )
+        worker.start()
+        worker.join(30)
+    assert worker.exitcode == 0
+    parents = {seen.path: seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests}
+    step0, step1 = [(parents[f"/step{step}/0"], parents[f"/step{step}/1"]) for step in range(2)]
+    # each step's two siblings under one parent of their own, never the launcher's, never shared by steps
+    assert step0[0] is not None and step0[0] == step0[1] != launcher.parent_session_id, parents
+    assert step1[0] is not None and step1[0] == step1[1] and step1[0] not in step0, parents
