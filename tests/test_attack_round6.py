@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import importlib
 import multiprocessing
 import tracemalloc
 from collections.abc import Callable, Generator
@@ -178,3 +179,48 @@ def test_a_worker_forked_during_an_attempt_groups_its_own_siblings_afresh(dynamo
     # each step's two siblings under one parent of their own, never the launcher's, never shared by steps
     assert step0[0] is not None and step0[0] == step0[1] != launcher.parent_session_id, parents
     assert step1[0] is not None and step1[0] == step1[1] and step1[0] not in step0, parents
+
+
+BOUNDARIES = """
+import httpx
+from collections.abc import Mapping
+
+URL = None
+
+class Lazy(Mapping):
+    '''A task record whose items load on access, and fail to.'''
+    def __getitem__(self, key):
+        raise RuntimeError("store unreachable")
+    def __iter__(self):
+        return iter(["prompt"])
+    def __len__(self):
+        return 1
+
+class Rows(list):
+    def __getitem__(self, index):
+        raise RuntimeError("rows unreachable")
+
+class Odd(dict):
+    '''Its JSON encoding runs the application's own code, which raises.'''
+    def items(self):
+        raise RuntimeError("items unreachable")
+
+def run_episode(task, label):
+    return httpx.get(f"{URL}/{label}", timeout=10).status_code
+"""
+
+
+@pytest.mark.parametrize(
+    ("spec", "task"),
+    [("task.prompt", "Lazy()"), ("task.0", "Rows([1])"), ("task|digest", "Odd(a=1)")],
+)
+def test_a_group_path_whose_container_raises_still_opens_the_attempt(
+    dynamo: Recorder, new_module: Callable[[str, str], str], spec: str, task: str
+) -> None:
+    name = new_module("raising_paths", BOUNDARIES)
+    entry = f"{name}:run_episode[group={spec}]"
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[entry])
+    module = importlib.import_module(name)
+    module.URL = dynamo.url
+    assert module.run_episode(eval(task, vars(module)), "a") == 200
+    assert dynamo.requests[0].get(SESSION_HEADER) is not None  # an attempt, only without a group
