@@ -207,6 +207,9 @@ class Odd(dict):
 
 def run_episode(task, label):
     return httpx.get(f"{URL}/{label}", timeout=10).status_code
+
+def run_sample(input_sample, label):  # NeMo-RL's argument name: its conversation is read for a group
+    return httpx.get(f"{URL}/{label}", timeout=10).status_code
 """
 
 
@@ -224,3 +227,14 @@ def test_a_group_path_whose_container_raises_still_opens_the_attempt(
     module.URL = dynamo.url
     assert module.run_episode(eval(task, vars(module)), "a") == 200
     assert dynamo.requests[0].get(SESSION_HEADER) is not None  # an attempt, only without a group
+
+
+def test_a_sample_whose_mapping_raises_still_opens_the_attempt(
+    dynamo: Recorder, new_module: Callable[[str, str], str]
+) -> None:
+    name = new_module("raising_sample", BOUNDARIES)
+    otel_session.configure(dynamo_hosts=[dynamo.url], trajectory_functions=[f"{name}:run_sample"])
+    module = importlib.import_module(name)
+    module.URL = dynamo.url
+    assert module.run_sample(module.Lazy(), "s") == 200
+    assert dynamo.requests[0].get(SESSION_HEADER) is not None
