@@ -10,16 +10,24 @@ import contextlib
 import functools
 import gc
 import importlib
+import json
+import logging
 import multiprocessing
 import tracemalloc
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
+from typing import Any
 
+import aiohttp
 import httpx
+import openai
 import pytest
+from aiohttp import web
 
 import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER
+from tests.gym_servers import AiohttpServer
 from tests.recorder import Recorder
+from tests.support import metric_delta, metric_points, metrics_reader
 
 
 class HashRaises:
@@ -238,3 +246,138 @@ def test_a_sample_whose_mapping_raises_still_opens_the_attempt(
     module.URL = dynamo.url
     assert module.run_sample(module.Lazy(), "s") == 200
     assert dynamo.requests[0].get(SESSION_HEADER) is not None
+
+
+class HealthyRouter:
+    """An OpenAI-style router stand-in whose worker caches are perfect: each (session, model) is
+    pinned to one worker, and every turn finds the previous turn's whole prompt in its cache. What it
+    reports, and how, is the attack: ``usage`` in every stream chunk (vLLM's continuous usage stats),
+    absurd token counts. A prompt is counted as 100 tokens a message."""
+
+    def __init__(self) -> None:
+        self.cached: dict[tuple[str | None, str], int] = {}
+        self.every_chunk = False
+        self.prompt_tokens: int | None = None  # forced, where the attack says so
+        self.server: AiohttpServer | None = None
+
+    def _usage(self, request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
+        key = (request.headers.get(SESSION_HEADER), str(body.get("model")))
+        asked = "worker_id" in (body.get("nvext") or {}).get("extra_fields", ())  # as Dynamo: if asked
+        prompt = 100 * len(body.get("messages") or [])
+        cached, self.cached[key] = self.cached.get(key, 0), prompt
+        if self.prompt_tokens is not None:
+            prompt, cached = self.prompt_tokens, self.prompt_tokens // 2
+        return {  # type: ignore[no-any-return]
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": 1,
+                "total_tokens": prompt + 1,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        } | ({"nvext": {"worker_id": {"decode_worker_id": hash(key) % 1000}}} if asked else {})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        evidence = self._usage(request, body)
+        head = {"id": "c", "created": 0, "model": body.get("model")}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "ok"}
+            choices = [{"index": 0, "message": message, "finish_reason": "stop"}]
+            return web.json_response({**head, "object": "chat.completion", "choices": choices, **evidence})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(3):
+            chunk = {
+                **head,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": "o"}}],
+            }
+            await response.write(
+                f"data: {json.dumps({**chunk, **(evidence if self.every_chunk else {})})}\n\n".encode()
+            )
+        last = {**head, "object": "chat.completion.chunk", "choices": [], **evidence}
+        await response.write(f"data: {json.dumps(last)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    @property
+    def base_url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.port}/v1"
+
+
+@pytest.fixture
+def healthy(caplog: pytest.LogCaptureFixture) -> Iterator[HealthyRouter]:
+    metrics_reader()  # the process's MeterProvider (set once), so the counts flow somewhere
+    caplog.set_level(logging.WARNING, "otel_session")
+    served = HealthyRouter()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", served.chat)
+    with AiohttpServer(app) as server:
+        served.server = server
+        otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"])
+        yield served
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+
+
+async def _conversations(healthy: HealthyRouter, sessions: int, turns: int, ask: Ask) -> None:
+    """``sessions`` trajectories at once, each ``turns`` turns whose conversation grows by a message."""
+
+    async def conversation(client: openai.AsyncOpenAI, http: aiohttp.ClientSession) -> None:
+        async with otel_session.trajectory():
+            messages: list[Any] = [{"role": "user", "content": "go"}]
+            for _ in range(turns):
+                await ask(client, http, messages)
+                messages.append({"role": "user", "content": "more"})
+
+    client = openai.AsyncOpenAI(base_url=healthy.base_url, api_key="-", max_retries=0)
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(conversation(client, http) for _ in range(sessions)))
+    await client.close()
+
+
+Ask = Callable[[openai.AsyncOpenAI, aiohttp.ClientSession, list[Any]], Awaitable[None]]
+NVEXT: Any = {"nvext": {"extra_fields": ["worker_id"]}}
+
+
+async def _streamed(client: openai.AsyncOpenAI, http: aiohttp.ClientSession, messages: list[Any]) -> None:
+    stream = await client.chat.completions.create(
+        model="policy",
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # vLLM's: no nvext
+    )
+    async for _ in stream:
+        pass
+
+
+async def _read_twice(client: openai.AsyncOpenAI, http: aiohttp.ClientSession, messages: list[Any]) -> None:
+    url = f"{str(client.base_url).rstrip('/')}/chat/completions"
+    async with http.post(url, json={"model": "policy", "messages": messages}) as response:
+        assert await response.json() == await response.json()  # an application that reads it twice
+
+
+async def _with_a_judge(client: openai.AsyncOpenAI, http: aiohttp.ClientSession, messages: list[Any]) -> None:
+    await client.chat.completions.create(model="policy", messages=messages, extra_body=NVEXT)
+    judged = [{"role": "system", "content": "judge this"}, *messages]  # a second model, same session
+    await client.chat.completions.create(model="judge", messages=judged, extra_body=NVEXT)
+
+
+@pytest.mark.parametrize(
+    ("ask", "every_chunk"),
+    [(_streamed, True), (_read_twice, False), (_with_a_judge, False)],
+    ids=["usage-in-every-chunk", "body-read-twice", "two-models-one-session"],
+)
+def test_a_healthy_router_is_never_called_broken(
+    healthy: HealthyRouter, caplog: pytest.LogCaptureFixture, ask: Ask, every_chunk: bool
+) -> None:
+    healthy.every_chunk = every_chunk
+    before = metric_points()
+    asyncio.run(_conversations(healthy, sessions=12, turns=4, ask=ask))
+    assert _warnings(caplog) == []
+    calls = 2 if ask is _with_a_judge else 1
+    assert metric_delta(before, "otel_session.turns") == 12 * 4 * calls  # one turn a response
+    assert metric_delta(before, "otel_session.worker_checks", otel_session__worker__switched=True) == 0
