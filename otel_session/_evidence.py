@@ -28,6 +28,9 @@ from otel_session._metrics import Router
 SESSIONS_KEPT = 16_384  # sessions remembered: more than any run keeps in flight
 MIN_HISTORY = 32  # a previous prompt shorter than this (two KV blocks) says too little to judge
 OVERLOADED = 529  # Dynamo's answer to a new session when its affinity table is full
+# No prompt is this long: a larger count is garbage, and counted it would stay in the cumulative sums,
+# failing every later export of the application's metrics (OTLP sends int64; Prometheus, floats).
+MAX_TOKENS = 2**32
 
 
 @dataclass
@@ -68,7 +71,7 @@ def usage_of(data: Mapping[str, Any]) -> tuple[int, int | None] | None:
     if not isinstance(usage, Mapping):
         return None
     prompt = usage.get("prompt_tokens")
-    if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
+    if not isinstance(prompt, int) or isinstance(prompt, bool) or not 0 <= prompt <= MAX_TOKENS:
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None

@@ -22,12 +22,13 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 
 import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER
 from tests.gym_servers import AiohttpServer
 from tests.recorder import Recorder
-from tests.support import metric_delta, metric_points, metrics_reader
+from tests.support import metric_delta, metric_points, metrics_reader, prometheus_url
 
 
 class HashRaises:
@@ -381,3 +382,23 @@ def test_a_healthy_router_is_never_called_broken(
     calls = 2 if ask is _with_a_judge else 1
     assert metric_delta(before, "otel_session.turns") == 12 * 4 * calls  # one turn a response
     assert metric_delta(before, "otel_session.worker_checks", otel_session__worker__switched=True) == 0
+
+
+@pytest.mark.parametrize("tokens", [2**63, 10**400], ids=["2**63", "10**400"])
+def test_absurd_token_counts_never_poison_the_applications_metric_export(
+    healthy: HealthyRouter, caplog: pytest.LogCaptureFixture, tokens: int
+) -> None:
+    """A JSON integer too big for an int64 (or a float): counted, it would stay in the cumulative sum
+    for the rest of the run, and every later OTLP export (and Prometheus scrape) of the application's
+    metrics would fail on it."""
+    healthy.prompt_tokens = tokens
+
+    async def ask(client: openai.AsyncOpenAI, http: aiohttp.ClientSession, messages: list[Any]) -> None:
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        assert reply.usage is not None and reply.usage.prompt_tokens == tokens  # the application's, as sent
+
+    asyncio.run(_conversations(healthy, sessions=1, turns=2, ask=ask))
+    encode_metrics(metrics_reader().get_metrics_data()).SerializeToString()  # what OTLP exporters send
+    scraped = httpx.get(prometheus_url(), timeout=10)
+    assert scraped.status_code == 200 and "otel_session_turns_total" in scraped.text
+    assert _warnings(caplog) == []
