@@ -13,8 +13,15 @@ import importlib
 import json
 import logging
 import multiprocessing
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -402,3 +409,52 @@ def test_absurd_token_counts_never_poison_the_applications_metric_export(
     scraped = httpx.get(prometheus_url(), timeout=10)
     assert scraped.status_code == 200 and "otel_session_turns_total" in scraped.text
     assert _warnings(caplog) == []
+
+
+def _endless_server() -> tuple[socket.socket, threading.Thread]:
+    """A loopback HTTP server answering every GET 200 with a body that never ends (1 MiB at a time,
+    as fast as the reader takes it, for up to 20 s): a wrong port, a log stream, a misbehaving proxy."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+
+    def serve() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                if listener.fileno() < 0:
+                    return
+                continue
+            with conn, contextlib.suppress(OSError):
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+                while time.monotonic() < deadline:
+                    conn.sendall(b"x" * 1048576)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_doctor_watch_against_an_endless_body_stops_in_bounded_memory() -> None:
+    listener, _ = _endless_server()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+
+    def limited() -> None:  # the unbounded read took 4.7 GB in its 10 s; 1.5 GB of address space here
+        resource.setrlimit(resource.RLIMIT_AS, (1536 * 2**20, 1536 * 2**20))
+
+    try:
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("otel-session")), "doctor", "--watch", url, "--samples", "1"],
+            capture_output=True,
+            text=True,
+            timeout=40,
+            check=False,
+            preexec_fn=limited,
+        )
+    finally:
+        listener.close()
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said and "MemoryError" not in said, said[-2000:]
+    assert done.returncode == 1 and f"cannot read {url}" in said, said[-2000:]

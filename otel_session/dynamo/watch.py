@@ -117,13 +117,22 @@ class Window:
         return "; ".join(parts) + f" -> {self.verdict()}"
 
 
+# A Prometheus page is a few MiB at most (a Dynamo frontend's, some hundred KiB); a body past this is
+# not one, and read whole it would take the memory of whatever it streams for the whole timeout.
+MAX_BYTES = 64 * 2**20
+
+
 def fetch(url: str, timeout: float = 10.0) -> Sample:
     """One GET of the metrics endpoint (the only request ``--watch`` makes)."""
     deadline = time.monotonic() + timeout  # the socket timeout is per read: a trickle never meets it
     chunks: list[bytes] = []
+    size = 0
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         while chunk := reply.read1(65536):
             chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BYTES:
+                raise ValueError(f"an answer over {MAX_BYTES // 2**20} MiB is no metrics page")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no whole answer in {timeout:g} s")
     return parse(b"".join(chunks).decode("utf-8", "replace"))
