@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import http.server
 import importlib
 import json
 import logging
@@ -458,3 +459,73 @@ def test_doctor_watch_against_an_endless_body_stops_in_bounded_memory() -> None:
     said = done.stdout + done.stderr
     assert "Traceback" not in said and "MemoryError" not in said, said[-2000:]
     assert done.returncode == 1 and f"cannot read {url}" in said, said[-2000:]
+
+
+class Pages:
+    """A loopback HTTP server answering each GET with the next of ``pages`` (the last one repeated),
+    as a Collector's Prometheus endpoint would over successive scrapes."""
+
+    def __init__(self, pages: list[str]) -> None:
+        self.pages = list(pages)
+        served = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                page = (served.pages.pop(0) if len(served.pages) > 1 else served.pages[0]).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _doctor_watch(url: str, samples: int = 1) -> subprocess.CompletedProcess[str]:
+    command = [str(Path(sys.executable).with_name("otel-session")), "doctor", "--watch", url]
+    return subprocess.run(
+        [*command, "--interval", "1", "--samples", str(samples)],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        check=False,
+    )
+
+
+def _page(**processes: tuple[int, int, int]) -> str:
+    """A Collector's page of two trainer processes' later turns: (turns, prompt tokens, cached)."""
+    lines = []
+    for instance, (turns, prompt, cached) in processes.items():
+        labels = f'instance="{instance}",otel_session_turn="later"'
+        lines += [
+            f"otel_session_turns_total{{{labels}}} {turns}",
+            f"otel_session_prompt_tokens_total{{{labels}}} {prompt}",
+            f"otel_session_cached_tokens_total{{{labels}}} {cached}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_doctor_watch_reads_a_restarted_processs_counters_as_prometheus_does() -> None:
+    """Process b restarts between two scrapes (its counters start again from zero) while a runs on;
+    both serve 90 % of every later turn's prompt from cache: healthy, not broken."""
+    pages = Pages(
+        [
+            _page(a=(100, 100_000, 90_000), b=(100, 196_000, 180_000)),
+            _page(a=(300, 300_000, 270_000), b=(1, 1_000, 900)),
+        ]
+    )
+    try:
+        done = _doctor_watch(pages.url)
+    finally:
+        pages.close()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "later turns 201, 90% of their prompt cached" in done.stdout and "-> healthy" in done.stdout

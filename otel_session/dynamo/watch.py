@@ -11,6 +11,7 @@ session table answers). What each means, and what healthy and broken look like: 
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import urllib.request
@@ -42,11 +43,19 @@ def parse(text: str) -> Sample:
     return found
 
 
-def _sum(sample: Sample, names: Iterable[str], **labels: str) -> float:
-    """The sum of every series named one of ``names`` holding ``labels``."""
+def _increase(old: Sample, new: Sample, names: Iterable[str], **labels: str) -> float:
+    """How much every counter series named one of ``names`` holding ``labels`` grew, series by series
+    as Prometheus's ``increase`` counts it: a series that went down was restarted (a trainer process
+    behind a Collector), so its new value is its growth, and one new since ``old`` grew by all of it.
+    Summed before the difference, a restart would subtract the old process's totals from the others'."""
     wanted = set(labels.items())
     chosen = set(names)
-    return sum(value for (name, have), value in sample.items() if name in chosen and wanted <= have)
+    grown = 0.0
+    for (name, have), value in new.items():
+        if name in chosen and wanted <= have and math.isfinite(value):
+            before = old.get((name, have), 0.0)
+            grown += value - before if math.isfinite(before) and value >= before else value
+    return grown
 
 
 def _names(base: str) -> tuple[str, str]:
@@ -70,8 +79,7 @@ class Window:
     @classmethod
     def between(cls, old: Sample, new: Sample) -> Window:
         def delta(names: Iterable[str], **labels: str) -> float:
-            names = list(names)
-            return max(0.0, _sum(new, names, **labels) - _sum(old, names, **labels))
+            return _increase(old, new, names, **labels)
 
         return cls(
             later_turns=delta(_names("otel_session_turns"), otel_session_turn="later"),
