@@ -529,3 +529,26 @@ def test_doctor_watch_reads_a_restarted_processs_counters_as_prometheus_does() -
         pages.close()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "later turns 201, 90% of their prompt cached" in done.stdout and "-> healthy" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "page",
+    ["<!doctype html><html><body>Dynamo</body></html>\n", '{"object":"list","data":[{"id":"qwen"}]}'],
+    ids=["html", "the-models-list"],
+)
+def test_doctor_watch_at_a_page_that_is_no_metrics_says_so_at_once(page: str) -> None:
+    pages = Pages([page])  # the frontend's base URL or /v1/models given instead of /metrics
+    try:
+        done = _doctor_watch(pages.url, samples=3)
+    finally:
+        pages.close()
+    said = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 1 and "too little traffic" not in done.stdout, said
+    assert said[-1].startswith(f"otel-session: cannot read {pages.url} (") and len(said) == 2, said
+
+
+@pytest.mark.parametrize("url", ["file:///etc/hostname", "ftp://127.0.0.1:1/metrics"])
+def test_doctor_watch_reads_http_only(url: str) -> None:
+    done = _doctor_watch(url)
+    assert done.returncode == 1 and f"cannot read {url} (" in done.stderr, done.stdout + done.stderr
+    assert "http" in done.stderr.rsplit("(", 1)[-1]

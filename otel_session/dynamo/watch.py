@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -132,6 +133,8 @@ MAX_BYTES = 64 * 2**20
 
 def fetch(url: str, timeout: float = 10.0) -> Sample:
     """One GET of the metrics endpoint (the only request ``--watch`` makes)."""
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):  # not a file, not ftp
+        raise ValueError("a metrics endpoint is an http:// or https:// URL")
     deadline = time.monotonic() + timeout  # the socket timeout is per read: a trickle never meets it
     chunks: list[bytes] = []
     size = 0
@@ -143,7 +146,13 @@ def fetch(url: str, timeout: float = 10.0) -> Sample:
                 raise ValueError(f"an answer over {MAX_BYTES // 2**20} MiB is no metrics page")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no whole answer in {timeout:g} s")
-    return parse(b"".join(chunks).decode("utf-8", "replace"))
+    text = b"".join(chunks).decode("utf-8", "replace")
+    found = parse(text)
+    if not found:  # a page, but no sample on it: the wrong path (a base URL, /v1/models), else empty
+        first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), None)
+        if first is not None:
+            raise ValueError(f"the answer is no Prometheus text: it begins {first.strip()[:60]!r}")
+    return found
 
 
 def watch(
