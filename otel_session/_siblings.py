@@ -158,9 +158,10 @@ def _forget_in_child() -> None:
     """``os.register_at_fork`` hook, in a forked child: the groups it inherits are its parent's open
     attempts, which the child never ends, so a worker forked mid-attempt groups its own siblings afresh
     (kept, they would pair its first sibling with an ended one and never forget the group)."""
-    global _lock
+    global _lock, _decide_lock
     _groups.clear()
-    _lock = threading.Lock()  # another thread of the parent may have held it as it forked
+    _lock = threading.Lock()  # other threads of the parent may have held them as it forked: the
+    _decide_lock = threading.Lock()  # child has no such thread to release them
 
 
 if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)

@@ -14,7 +14,9 @@ import importlib
 import json
 import logging
 import multiprocessing
+import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -408,7 +410,7 @@ def test_absurd_token_counts_never_poison_the_applications_metric_export(
     asyncio.run(_conversations(healthy, sessions=1, turns=2, ask=ask))
     encode_metrics(metrics_reader().get_metrics_data()).SerializeToString()  # what OTLP exporters send
     scraped = httpx.get(prometheus_url(), timeout=10)
-    assert scraped.status_code == 200 and "otel_session_turns_total" in scraped.text
+    assert scraped.status_code == 200 and "otel_session_requests_total" in scraped.text
     assert _warnings(caplog) == []
 
 
@@ -552,3 +554,68 @@ def test_doctor_watch_reads_http_only(url: str) -> None:
     done = _doctor_watch(url)
     assert done.returncode == 1 and f"cannot read {url} (" in done.stderr, done.stdout + done.stderr
     assert "http" in done.stderr.rsplit("(", 1)[-1]
+
+
+class Stalling:
+    """A group key whose equality waits for ``go``: an application's own ``__eq__`` doing I/O, say."""
+
+    go = threading.Event()
+
+    def __hash__(self) -> int:
+        return 5
+
+    def __eq__(self, other: object) -> bool:
+        Stalling.go.wait(10)
+        return self is other
+
+
+def test_a_child_forked_while_other_threads_are_inside_the_group_table_does_not_hang(
+    dynamo: Recorder,
+) -> None:
+    """Thread A compares group keys (the table's lock held); thread B's first request to a router
+    decides its inferred group and waits for A. A process forked then must still open attempts of its
+    own, grouped or not, rather than wait for threads it does not have."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    Stalling.go.clear()
+    prompt: Any = {"model": "m", "messages": [{"role": "user", "content": "same"}]}
+
+    def stalled() -> None:
+        with otel_session.trajectory(group=Stalling()):
+            pass
+
+    def inferred() -> None:
+        with otel_session.trajectory(), httpx.Client() as client:
+            client.post(f"{dynamo.url}/v1/chat/completions", json=prompt, timeout=10)
+
+    held = threading.Event()
+
+    def holder() -> None:  # a sibling open in the table, so the next key is compared with it
+        with otel_session.trajectory(group=Stalling()):
+            held.set()
+            Stalling.go.wait(10)
+
+    threads = [threading.Thread(target=target) for target in (holder, stalled, inferred)]
+    threads[0].start()
+    held.wait(10)
+    for thread in threads[1:]:
+        thread.start()
+        time.sleep(0.3)  # A in __eq__ holding the table's lock, then B deciding and waiting for it
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: never back into pytest
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
+                signal.alarm(5)  # a hang ends the child with SIGALRM
+                with otel_session.trajectory(group="child"):
+                    pass
+                inferred()
+                code = 0
+            finally:
+                os._exit(code)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        Stalling.go.set()
+        for thread in threads:
+            thread.join(10)
+    assert status == 0, f"the forked child hung or failed: {status}"
