@@ -179,14 +179,16 @@ def turn(
                 message = _verdicts.crowding(router, seen, look, _siblings_policy())
             crowded = worker in seen.fleet.crowded
     attributes = {**_metrics.router_attributes(router), _metrics.TURN: "later" if later else "first"}
-    _metrics.turns.add(1, attributes)
+    _metrics.count(_metrics.turns, 1, attributes)
     if cached is not None:
-        _metrics.prompt_tokens.add(prompt, attributes)
-        _metrics.cached_tokens.add(cached, attributes)
+        _metrics.count(_metrics.prompt_tokens, prompt, attributes)
+        _metrics.count(_metrics.cached_tokens, cached, attributes)
     if switched is not None:
-        _metrics.worker_checks.add(1, {**_metrics.router_attributes(router), _metrics.SWITCHED: switched})
+        checked = {**_metrics.router_attributes(router), _metrics.SWITCHED: switched}
+        _metrics.count(_metrics.worker_checks, 1, checked)
     if crowded is not None:
-        _metrics.crowded_turns.add(1, {**_metrics.router_attributes(router), _metrics.CROWDED: crowded})
+        crowding = {**_metrics.router_attributes(router), _metrics.CROWDED: crowded}
+        _metrics.count(_metrics.crowded_turns, 1, crowding)
     if message is not None:
         _faults.warn("%s", message)
 
@@ -210,7 +212,7 @@ def answered(router: Router, session: str, status: int) -> None:
     settings = _settings.current
     strict = settings is None or settings.strict_affinity
     if not strict and _hop.unpin(session):
-        _metrics.unpinned_sessions.add(1, _metrics.router_attributes(router))
+        _metrics.count(_metrics.unpinned_sessions, 1, _metrics.router_attributes(router))
     with _lock:
         if "table-full" in seen.warned:
             return

@@ -619,3 +619,58 @@ def test_a_child_forked_while_other_threads_are_inside_the_group_table_does_not_
         for thread in threads:
             thread.join(10)
     assert status == 0, f"the forked child hung or failed: {status}"
+
+
+RAISING_PROVIDER = """
+import asyncio, sys
+import aiohttp, httpx
+from opentelemetry import metrics
+from opentelemetry.metrics import NoOpCounter, NoOpMeter, NoOpMeterProvider
+
+class Raising(NoOpCounter):
+    def add(self, amount, attributes=None, context=None):
+        raise RuntimeError("the exporter bridge is down")
+
+class Meter(NoOpMeter):
+    def create_counter(self, name, unit="", description=""):
+        return Raising(name)
+
+class Provider(NoOpMeterProvider):
+    '''A provider whose counters raise: a broken bridge to a vendor's metrics. The SDK's own never
+    raises, so this one is written here; the API's classes are what such a bridge subclasses.'''
+    def get_meter(self, name, version=None, schema_url=None, attributes=None):
+        return Meter(name)
+
+url, when = sys.argv[1], sys.argv[2]
+if when == "before":
+    metrics.set_meter_provider(Provider())
+import otel_session
+otel_session.configure(dynamo_hosts=[url])
+if when == "after":
+    metrics.set_meter_provider(Provider())
+httpx.get(f"{url}/outside", timeout=10)
+with otel_session.trajectory():
+    httpx.get(f"{url}/httpx", timeout=10)
+
+async def aio():
+    async with otel_session.trajectory(), aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/chat/completions", json={"messages": []}) as reply:
+            await reply.json()
+
+asyncio.run(aio())
+print("done")
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_meter_provider_whose_counters_raise_never_fails_a_trajectory_or_drops_a_session(
+    dynamo: Recorder, tmp_path: Path, when: str
+) -> None:
+    script = tmp_path / "raising_provider.py"
+    script.write_text(RAISING_PROVIDER)
+    command = [sys.executable, str(script), dynamo.url, when]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]
+    carried = {seen.path: seen.get(SESSION_HEADER) for seen in dynamo.requests}
+    assert carried["/outside"] is None
+    assert carried["/httpx"] and carried["/v1/chat/completions"], carried
