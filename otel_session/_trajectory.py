@@ -29,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
+from otel_session import _faults, _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import (
     ROUTER_VISITS_KEY,
     SESSION_ATTRIBUTE,
@@ -173,7 +173,11 @@ class trajectory(metaclass=_TrajectoryType):
         attributes = {SESSION_ATTRIBUTE: session, "gen_ai.conversation.id": session, **self._attributes}
         if parent is not None:
             attributes["otel_session.parent_session_id"] = parent
-        span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
+        try:
+            span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
+        except Exception as exc:  # the application's own TracerProvider: the span is lost, not the attempt
+            _faults.report("starting a trajectory span", exc)
+            span = trace.INVALID_SPAN
         self._span = span
         self._visits = visits
         self.session_id, self._parent = session, parent

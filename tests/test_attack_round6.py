@@ -674,3 +674,39 @@ def test_a_meter_provider_whose_counters_raise_never_fails_a_trajectory_or_drops
     carried = {seen.path: seen.get(SESSION_HEADER) for seen in dynamo.requests}
     assert carried["/outside"] is None
     assert carried["/httpx"] and carried["/v1/chat/completions"], carried
+
+
+RAISING_TRACER = """
+import sys
+import httpx
+from opentelemetry import trace
+from opentelemetry.trace import NoOpTracer, NoOpTracerProvider
+
+class Tracer(NoOpTracer):
+    def start_span(self, *args, **kwargs):
+        raise RuntimeError("the tracing bridge is down")
+
+class Provider(NoOpTracerProvider):
+    '''A provider whose spans cannot start: a broken bridge to a vendor's tracing (the SDK's own never
+    raises, so this one is written here, on the API's classes such a bridge subclasses).'''
+    def get_tracer(self, *args, **kwargs):
+        return Tracer()
+
+trace.set_tracer_provider(Provider())
+import otel_session
+otel_session.configure(dynamo_hosts=[sys.argv[1]])
+with otel_session.trajectory():
+    httpx.get(f"{sys.argv[1]}/traced", timeout=10)
+print("done")
+"""
+
+
+def test_a_tracer_provider_whose_spans_cannot_start_never_fails_a_trajectory(
+    dynamo: Recorder, tmp_path: Path
+) -> None:
+    script = tmp_path / "raising_tracer.py"
+    script.write_text(RAISING_TRACER)
+    command = [sys.executable, str(script), dynamo.url]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]
+    assert dynamo.requests[0].get(SESSION_HEADER)
