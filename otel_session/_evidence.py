@@ -115,7 +115,7 @@ def parsed(
     worker = worker_of(data)
     usage = usage_of(data)
     model = data.get("model")
-    key = (session, model if isinstance(model, str) else None)
+    key = (session, model[:256] if isinstance(model, str) else None)  # a copy: not a garbage name kept
     if usage is None:
         if worker is not None:  # a stream's chunk: the turn is counted when its usage arrives
             with _lock:

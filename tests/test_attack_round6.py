@@ -272,7 +272,7 @@ class HealthyRouter:
         self.server: AiohttpServer | None = None
 
     def _usage(self, request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
-        key = (request.headers.get(SESSION_HEADER), str(body.get("model")))
+        key = (request.headers.get(SESSION_HEADER), str(body.get("model"))[:64])
         asked = "worker_id" in (body.get("nvext") or {}).get("extra_fields", ())  # as Dynamo: if asked
         prompt = 100 * len(body.get("messages") or [])
         cached, self.cached[key] = self.cached.get(key, 0), prompt
@@ -710,3 +710,28 @@ def test_a_tracer_provider_whose_spans_cannot_start_never_fails_a_trajectory(
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]
     assert dynamo.requests[0].get(SESSION_HEADER)
+
+
+def test_a_router_naming_huge_models_leaves_nothing_behind(healthy: HealthyRouter) -> None:
+    """Turns are compared per model, by the name the router answers with: a garbage router echoing a
+    512 KiB name must not have each one kept with the session's last turn."""
+
+    async def ask(client: openai.AsyncOpenAI, http: aiohttp.ClientSession, messages: list[Any]) -> None:
+        url = f"{str(client.base_url).rstrip('/')}/chat/completions"
+        model = f"{len(messages)}-" + "m" * 2**19  # under the server's 1 MiB request limit
+        async with http.post(url, json={"model": model, "messages": messages}) as response:
+            await response.json()
+
+    asyncio.run(_conversations(healthy, sessions=2, turns=1, ask=ask))  # warm-up: imports, pools
+    gc.collect()
+    server_side = [tracemalloc.Filter(False, "*/aiohttp/web_*")]  # the stand-in router's own buffers
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot().filter_traces(server_side)
+        asyncio.run(_conversations(healthy, sessions=8, turns=2, ask=ask))
+        gc.collect()
+        after = tracemalloc.take_snapshot().filter_traces(server_side)
+    finally:
+        tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert grown < 2**21, grown  # 16 names of 512 KiB were answered
