@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from otel_session._metrics import Router
 SESSIONS_KEPT = 16_384  # sessions remembered: more than any run keeps in flight
 MIN_HISTORY = 32  # a previous prompt shorter than this (two KV blocks) says too little to judge
 OVERLOADED = 529  # Dynamo's answer to a new session when its affinity table is full
+# No prompt is this long: a larger count is garbage, and counted it would stay in the cumulative sums,
+# failing every later export of the application's metrics (OTLP sends int64; Prometheus, floats).
+MAX_TOKENS = 2**32
 
 
 @dataclass
@@ -41,8 +45,13 @@ class _Turn:
 
 
 _lock = threading.Lock()
-_turns: OrderedDict[str, _Turn] = OrderedDict()  # by session: one conversation, wherever each turn went
-_pending_worker: dict[str, int] = {}
+# By session and model: one conversation with one model, wherever each turn went (an agent's session
+# may also ask a judge model through the same router: its turns are not the policy's next ones).
+_turns: OrderedDict[tuple[str, str | None], _Turn] = OrderedDict()
+_pending_worker: dict[tuple[str, str | None], int] = {}
+# Responses whose turn is counted: a stream carrying usage in every chunk (vLLM's continuous usage
+# stats) or a body the application reads twice is one turn, not one per chunk or read.
+_counted: weakref.WeakSet[object] = weakref.WeakSet()
 routers: dict[Router, _verdicts.RouterEvidence] = {}
 
 
@@ -62,7 +71,7 @@ def usage_of(data: Mapping[str, Any]) -> tuple[int, int | None] | None:
     if not isinstance(usage, Mapping):
         return None
     prompt = usage.get("prompt_tokens")
-    if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
+    if not isinstance(prompt, int) or isinstance(prompt, bool) or not 0 <= prompt <= MAX_TOKENS:
         return None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
@@ -84,11 +93,17 @@ def router_for(scheme: str, host: str | None, port: int | None) -> Router | None
 
 
 def parsed(
-    data: object, scheme: str, host: str | None, port: int | None, latency: float | None = None
+    data: object,
+    scheme: str,
+    host: str | None,
+    port: int | None,
+    latency: float | None = None,
+    response: object = None,
 ) -> None:
     """The application parsed ``data`` from a response it received from this origin: a turn of the
     current context's session if it carries usage (or, in a stream, a chunk naming the worker);
-    ``latency``: seconds from sending the request to its whole answer, where the client measured it."""
+    ``latency``: seconds from sending the request to its whole answer, where the client measured it;
+    ``response``: the client's response object, whose first usage alone is its turn."""
     if not isinstance(data, Mapping) or ("usage" not in data and "nvext" not in data):
         return
     session = session_ids(get_current())[0]
@@ -99,14 +114,21 @@ def parsed(
         return
     worker = worker_of(data)
     usage = usage_of(data)
+    model = data.get("model")
+    key = (session, model[:256] if isinstance(model, str) else None)  # a copy: not a garbage name kept
     if usage is None:
         if worker is not None:  # a stream's chunk: the turn is counted when its usage arrives
             with _lock:
                 if len(_pending_worker) >= SESSIONS_KEPT:
                     _pending_worker.clear()
-                _pending_worker[session] = worker
+                _pending_worker[key] = worker
         return
-    turn(session, router, usage[0], usage[1], worker, latency)
+    if response is not None:
+        with _lock:
+            if response in _counted:
+                return
+            _counted.add(response)
+    turn(session, router, usage[0], usage[1], worker, latency, key[1])
 
 
 def turn(
@@ -116,11 +138,13 @@ def turn(
     cached: int | None,
     worker: int | None,
     latency: float | None = None,
+    model: str | None = None,
 ) -> None:
-    """One turn of ``session`` answered by ``router``: counted, compared with the previous one, judged."""
+    """One turn of ``session`` with ``model`` answered by ``router``: counted, compared with the
+    session's previous turn with that model, judged."""
     now = time.monotonic()
     with _lock:
-        key = session
+        key = (session, model)
         if worker is None:
             worker = _pending_worker.pop(key, None)
         else:
@@ -150,19 +174,21 @@ def turn(
         message = _verdicts.verdict(router, seen)
         crowded = None
         if worker is not None:
-            look = seen.fleet.turn(key, worker, latency, now)
+            look = seen.fleet.turn(session, worker, latency, now)
             if look is not None and message is None:
                 message = _verdicts.crowding(router, seen, look, _siblings_policy())
             crowded = worker in seen.fleet.crowded
     attributes = {**_metrics.router_attributes(router), _metrics.TURN: "later" if later else "first"}
-    _metrics.turns.add(1, attributes)
+    _metrics.count(_metrics.turns, 1, attributes)
     if cached is not None:
-        _metrics.prompt_tokens.add(prompt, attributes)
-        _metrics.cached_tokens.add(cached, attributes)
+        _metrics.count(_metrics.prompt_tokens, prompt, attributes)
+        _metrics.count(_metrics.cached_tokens, cached, attributes)
     if switched is not None:
-        _metrics.worker_checks.add(1, {**_metrics.router_attributes(router), _metrics.SWITCHED: switched})
+        checked = {**_metrics.router_attributes(router), _metrics.SWITCHED: switched}
+        _metrics.count(_metrics.worker_checks, 1, checked)
     if crowded is not None:
-        _metrics.crowded_turns.add(1, {**_metrics.router_attributes(router), _metrics.CROWDED: crowded})
+        crowding = {**_metrics.router_attributes(router), _metrics.CROWDED: crowded}
+        _metrics.count(_metrics.crowded_turns, 1, crowding)
     if message is not None:
         _faults.warn("%s", message)
 
@@ -186,7 +212,7 @@ def answered(router: Router, session: str, status: int) -> None:
     settings = _settings.current
     strict = settings is None or settings.strict_affinity
     if not strict and _hop.unpin(session):
-        _metrics.unpinned_sessions.add(1, _metrics.router_attributes(router))
+        _metrics.count(_metrics.unpinned_sessions, 1, _metrics.router_attributes(router))
     with _lock:
         if "table-full" in seen.warned:
             return
@@ -216,6 +242,7 @@ def forget() -> None:
     with _lock:
         _turns.clear()
         _pending_worker.clear()
+        _counted.clear()
         routers.clear()
     _metrics.failed.clear()
     _hop.unpinned.clear()

@@ -85,16 +85,20 @@ class GroupKey:
 
 
 def _step(value: Any, step: str | int, where: str) -> Any:
-    if isinstance(value, Mapping):
-        if step in value:
+    try:  # the application's own container code (a lazy record, a list subclass) may raise
+        if isinstance(value, Mapping):
+            if step in value:
+                return value[step]
+        elif (
+            isinstance(step, int)
+            and isinstance(value, Sequence)
+            and not isinstance(value, str)
+            and step < len(value)
+        ):
             return value[step]
-    elif (
-        isinstance(step, int)
-        and isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and step < len(value)
-    ):
-        return value[step]
+    except Exception as exc:
+        kind = type(value).__name__
+        raise Unresolved(f"reading {step} of {where} ({kind}) raised {type(exc).__name__}") from None
     if isinstance(step, str):
         try:
             return getattr(value, step)
@@ -107,8 +111,8 @@ def digest(value: Any, where: str = "the value") -> str:
     """A digest of ``value``'s canonical JSON (keys sorted): equal conversations, equal digests."""
     try:
         text = _CANONICAL.encode(value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise Unresolved(f"{where} cannot be digested ({exc})") from None
+    except Exception as exc:  # not JSON, too deep, or the value's own code raised while encoding
+        raise Unresolved(f"{where} cannot be digested ({type(exc).__name__}: {exc})") from None
     return hashlib.blake2b(text.encode(errors="surrogatepass"), digest_size=16).hexdigest()
 
 

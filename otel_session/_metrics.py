@@ -15,7 +15,7 @@ from typing import Any
 
 from opentelemetry import metrics
 
-from otel_session import _settings
+from otel_session import _faults, _settings
 from otel_session._routers import Profile
 
 ROUTER_PROFILE = "otel_session.router.profile"
@@ -87,6 +87,15 @@ _lock = threading.Lock()
 FAILED_KEPT = 4096
 
 
+def count(instrument: Any, amount: int, attributes: dict[str, Any]) -> None:
+    """``instrument.add``: counts go to the application's own ``MeterProvider``, and one that raises
+    (a broken bridge to a vendor's metrics) must cost the count, never a trajectory or a session."""
+    try:
+        instrument.add(amount, attributes)
+    except Exception as exc:
+        _faults.report("counting otel-session's metrics", exc)
+
+
 def router_of(profile: Profile, host: str, port: int | None) -> Router:
     """The key one router is counted under."""
     return profile.name, host, port
@@ -121,7 +130,7 @@ def sent(profile: Profile, destination: Destination, session: str | None) -> Non
             with _lock:
                 failed.discard(key)
             retry = True
-    requests.add(1, _request_attributes(profile.name, destination, session is not None, retry))
+    count(requests, 1, _request_attributes(profile.name, destination, session is not None, retry))
 
 
 def recording() -> bool:
@@ -152,7 +161,7 @@ def answered_error(router: Router, session: str, status: int) -> None:
         if len(failed) >= FAILED_KEPT:
             failed.clear()
         failed.add((session, router))
-    error_responses.add(1, {**router_attributes(router), "http.response.status_code": status})
+    count(error_responses, 1, {**router_attributes(router), "http.response.status_code": status})
 
 
 _STATES = {"started": {STATE: "started"}, "ended": {STATE: "ended"}}
@@ -163,6 +172,6 @@ def trajectory(state: str, error: BaseException | None = None) -> None:
     if not recording():
         return
     if error is None:
-        trajectories.add(1, _STATES[state])
+        count(trajectories, 1, _STATES[state])
     else:
-        trajectories.add(1, {STATE: state, "error.type": type(error).__qualname__})
+        count(trajectories, 1, {STATE: state, "error.type": type(error).__qualname__})

@@ -13,6 +13,7 @@ known only while one of its attempts is open, so nothing here outlives a step.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -51,29 +52,50 @@ class Siblings:
 DEFAULT = Siblings(2)
 
 
-class _Group:
-    __slots__ = ("open", "parents", "started")
+class GroupKey:
+    """A group key as its group's first attempt joined: its hash taken once, so every attempt leaves
+    the group by that hash and by identity, never running the key's own code again (a key the
+    application changes while the attempt runs, or whose ``__hash__`` raises later, would otherwise
+    stay in ``_groups`` for good)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("hash", "key")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key
+        self.hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, GroupKey) and (other.key is self.key or bool(other.key == self.key))
+
+
+class _Group:
+    __slots__ = ("key", "open", "parents", "started")
+
+    def __init__(self, key: GroupKey) -> None:
+        self.key = key  # as the group's first attempt joined: every attempt leaves with this one
         self.started = 0  # attempts of the group opened while it was known
         self.open = 0  # attempts of the group open now
         self.parents: list[str] = []  # one per sub-group, minted as the sub-group opens
 
 
-_groups: dict[Hashable, _Group] = {}
+_groups: dict[GroupKey, _Group] = {}
 _lock = threading.Lock()
 
 
-def join(key: Hashable, policy: Siblings) -> str | None:
-    """The parent session for one more attempt of group ``key`` under ``policy`` (``None``: none);
-    every ``join`` that returned a parent is matched by one ``leave(key)``."""
+def join(key: Hashable, policy: Siblings) -> tuple[str, GroupKey] | None:
+    """The parent session for one more attempt of group ``key`` under ``policy`` and the ticket to
+    ``leave`` with once it ends (``None``: no parent, nothing to leave)."""
     if policy.size is None:
         return None
     with _lock:
         try:  # the key's own __hash__ or __eq__ may raise: that attempt then names no parent
-            group = _groups.get(key)
+            ticket = GroupKey(key)
+            group = _groups.get(ticket)
             if group is None:
-                group = _groups[key] = _Group()
+                group = _groups[ticket] = _Group(ticket)
         except Exception as exc:
             _faults.report("comparing a trajectory(group=...) key", exc)
             return None
@@ -82,17 +104,17 @@ def join(key: Hashable, policy: Siblings) -> str | None:
             group.parents.append(new_session_id())
         group.started += 1
         group.open += 1
-        return group.parents[sub]
+        return group.parents[sub], group.key
 
 
-def leave(key: Hashable) -> None:
-    """One attempt of group ``key`` ended; the last one open forgets the group."""
-    with _lock, contextlib.suppress(Exception):  # a key that raised in join() has no group to leave
-        group = _groups.get(key)
-        if group is not None:
+def leave(ticket: GroupKey) -> None:
+    """One attempt ended (``ticket``: what its ``join`` returned); the last one open forgets the group."""
+    with _lock, contextlib.suppress(Exception):  # found by identity: the key's own code is not run
+        group = _groups.get(ticket)
+        if group is not None and group.key is ticket:
             group.open -= 1
             if group.open <= 0:
-                del _groups[key]
+                del _groups[ticket]
 
 
 class Inferred:
@@ -105,7 +127,7 @@ class Inferred:
     def __init__(self, policy: Siblings) -> None:
         self.policy = policy
         self.decided = False
-        self.key: Hashable | None = None  # the group joined, while the attempt is open in it
+        self.key: GroupKey | None = None  # the group joined, while the attempt is open in it
         self.parent: str | None = None
 
     def decide(self, key: Hashable | None) -> str | None:
@@ -115,8 +137,9 @@ class Inferred:
             if not self.decided:
                 self.decided = True
                 if key is not None:
-                    self.parent = join(key, self.policy)
-                    self.key = key if self.parent is not None else None
+                    joined = join(key, self.policy)
+                    if joined is not None:
+                        self.parent, self.key = joined
             return self.parent
 
     def release(self) -> None:
@@ -129,6 +152,20 @@ class Inferred:
 
 
 _decide_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """``os.register_at_fork`` hook, in a forked child: the groups it inherits are its parent's open
+    attempts, which the child never ends, so a worker forked mid-attempt groups its own siblings afresh
+    (kept, they would pair its first sibling with an ended one and never forget the group)."""
+    global _lock, _decide_lock
+    _groups.clear()
+    _lock = threading.Lock()  # other threads of the parent may have held them as it forked: the
+    _decide_lock = threading.Lock()  # child has no such thread to release them
+
+
+if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def open_groups() -> int:

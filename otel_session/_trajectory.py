@@ -29,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
+from otel_session import _faults, _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import (
     ROUTER_VISITS_KEY,
     SESSION_ATTRIBUTE,
@@ -89,8 +89,10 @@ class trajectory(metaclass=_TrajectoryType):
             raise TypeError(
                 f"trajectory(group=...) must be hashable (a str, int or tuple), not {group!r}"
             ) from None
+        except Exception:  # a key whose own __hash__ fails: its attempt names no parent (the join
+            pass  # says so, once) and still runs under its own session
         self._group = group
-        self._joined: Hashable | None = None  # the group this attempt is open in, while it is
+        self._joined: _siblings.GroupKey | None = None  # the group this attempt is open in, while it is
         self._inferred: _siblings.Inferred | None = None  # its group, read from its first request
         self._name = name
         self._attributes: dict[str, AttributeValue] = dict(attributes or {})
@@ -152,8 +154,9 @@ class trajectory(metaclass=_TrajectoryType):
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
         settings = _settings.current
         if parent is None and self._group is not None and settings is not None:
-            parent = _siblings.join(self._group, settings.siblings)  # an enclosing trajectory wins
-            self._joined = self._group if parent is not None else None
+            joined = _siblings.join(self._group, settings.siblings)  # an enclosing trajectory wins
+            if joined is not None:
+                parent, self._joined = joined
         ctx = with_session(session, parent, current)
         if not reentered:  # a re-entered session is the same attempt: it keeps the group it has
             inferred = None  # with no group given, its first request to a router names the group
@@ -170,7 +173,11 @@ class trajectory(metaclass=_TrajectoryType):
         attributes = {SESSION_ATTRIBUTE: session, "gen_ai.conversation.id": session, **self._attributes}
         if parent is not None:
             attributes["otel_session.parent_session_id"] = parent
-        span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
+        try:
+            span = _tracing.tracer().start_span(self._name, context=ctx, attributes=attributes)
+        except Exception as exc:  # the application's own TracerProvider: the span is lost, not the attempt
+            _faults.report("starting a trajectory span", exc)
+            span = trace.INVALID_SPAN
         self._span = span
         self._visits = visits
         self.session_id, self._parent = session, parent

@@ -11,8 +11,10 @@ session table answers). What each means, and what healthy and broken look like: 
 
 from __future__ import annotations
 
+import math
 import re
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,11 +44,19 @@ def parse(text: str) -> Sample:
     return found
 
 
-def _sum(sample: Sample, names: Iterable[str], **labels: str) -> float:
-    """The sum of every series named one of ``names`` holding ``labels``."""
+def _increase(old: Sample, new: Sample, names: Iterable[str], **labels: str) -> float:
+    """How much every counter series named one of ``names`` holding ``labels`` grew, series by series
+    as Prometheus's ``increase`` counts it: a series that went down was restarted (a trainer process
+    behind a Collector), so its new value is its growth, and one new since ``old`` grew by all of it.
+    Summed before the difference, a restart would subtract the old process's totals from the others'."""
     wanted = set(labels.items())
     chosen = set(names)
-    return sum(value for (name, have), value in sample.items() if name in chosen and wanted <= have)
+    grown = 0.0
+    for (name, have), value in new.items():
+        if name in chosen and wanted <= have and math.isfinite(value):
+            before = old.get((name, have), 0.0)
+            grown += value - before if math.isfinite(before) and value >= before else value
+    return grown
 
 
 def _names(base: str) -> tuple[str, str]:
@@ -70,8 +80,7 @@ class Window:
     @classmethod
     def between(cls, old: Sample, new: Sample) -> Window:
         def delta(names: Iterable[str], **labels: str) -> float:
-            names = list(names)
-            return max(0.0, _sum(new, names, **labels) - _sum(old, names, **labels))
+            return _increase(old, new, names, **labels)
 
         return cls(
             later_turns=delta(_names("otel_session_turns"), otel_session_turn="later"),
@@ -117,16 +126,33 @@ class Window:
         return "; ".join(parts) + f" -> {self.verdict()}"
 
 
+# A Prometheus page is a few MiB at most (a Dynamo frontend's, some hundred KiB); a body past this is
+# not one, and read whole it would take the memory of whatever it streams for the whole timeout.
+MAX_BYTES = 64 * 2**20
+
+
 def fetch(url: str, timeout: float = 10.0) -> Sample:
     """One GET of the metrics endpoint (the only request ``--watch`` makes)."""
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):  # not a file, not ftp
+        raise ValueError("a metrics endpoint is an http:// or https:// URL")
     deadline = time.monotonic() + timeout  # the socket timeout is per read: a trickle never meets it
     chunks: list[bytes] = []
+    size = 0
     with urllib.request.urlopen(url, timeout=timeout) as reply:
         while chunk := reply.read1(65536):
             chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BYTES:
+                raise ValueError(f"an answer over {MAX_BYTES // 2**20} MiB is no metrics page")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no whole answer in {timeout:g} s")
-    return parse(b"".join(chunks).decode("utf-8", "replace"))
+    text = b"".join(chunks).decode("utf-8", "replace")
+    found = parse(text)
+    if not found:  # a page, but no sample on it: the wrong path (a base URL, /v1/models), else empty
+        first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), None)
+        if first is not None:
+            raise ValueError(f"the answer is no Prometheus text: it begins {first.strip()[:60]!r}")
+    return found
 
 
 def watch(

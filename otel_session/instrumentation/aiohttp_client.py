@@ -223,13 +223,14 @@ def _json(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     reading = wrapped(*args, **kwargs)
     if not _INSTRUMENTOR.active or _hop.current() is None:
         return reading
-    return _read_json(reading, instance.url)
+    return _read_json(reading, instance)
 
 
-async def _read_json(reading: Any, url: Any) -> Any:
+async def _read_json(reading: Any, response: Any) -> Any:
     data = await reading
     try:
-        _evidence.parsed(data, url.scheme, url.raw_host, url.port)
+        url = response.url
+        _evidence.parsed(data, url.scheme, url.raw_host, url.port, response=response)
     except Exception as exc:  # evidence lost, never the body
         _faults.report("reading the usage of an aiohttp response", exc)
     return data

@@ -121,7 +121,15 @@ def _nothing(
 def _prompt_of(state: Any) -> Hashable | None:
     """What the siblings of a sample share: its initial conversation (NeMo-RL repeats each prompt's
     sample for its siblings, so their message logs are identical), as a digest of the roles and
-    texts; ``None`` where a message's content is not text (its identity cannot be read cheaply)."""
+    texts; ``None`` where a message's content is not text (its identity cannot be read cheaply), or
+    where reading it runs the application's own code and that raises (a lazy record)."""
+    try:
+        return _conversation_digest(state)
+    except Exception:
+        return None
+
+
+def _conversation_digest(state: Any) -> Hashable | None:
     log = state.get("message_log") if isinstance(state, Mapping) else None
     if not isinstance(log, (list, tuple)) or not log:
         return None

@@ -26,7 +26,7 @@ def _process_response_data(wrapped: Any, instance: Any, args: tuple[Any, ...], k
         try:
             response = kwargs["response"]
             url = response.request.url
-            _evidence.parsed(data, url.scheme, url.host, url.port, _latency(response))
+            _evidence.parsed(data, url.scheme, url.host, url.port, _latency(response), response)
         except Exception as exc:  # a response we cannot read is evidence lost, never an error
             _faults.report("reading the usage of an openai response", exc)
     return result
