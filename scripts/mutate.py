@@ -89,7 +89,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_trajectory": _ATTEMPT_TESTS,
     "_hop": _HOP_TESTS,
     "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),
-    "_carriers": ("tests/test_faults.py", "tests/test_hostile.py", "tests/test_leaks.py", "tests/test_propagator.py"),
+    "_carriers": (
+        "tests/test_faults.py",
+        "tests/test_hostile.py",
+        "tests/test_leaks.py",
+        "tests/test_propagator.py",
+    ),
     "_session_end": ("tests/test_session_end_rules.py",),
     "_evidence": _EVIDENCE_TESTS,
     "_verdicts": _EVIDENCE_TESTS,
