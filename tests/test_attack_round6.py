@@ -738,3 +738,17 @@ def test_a_router_naming_huge_models_leaves_nothing_behind(healthy: HealthyRoute
         tracemalloc.stop()
     grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     assert grown < 2**21, grown  # 16 names of 512 KiB were answered
+
+
+def test_doctor_watch_never_prints_a_credential_of_its_url() -> None:
+    """A metrics URL behind basic auth (``user:secret@``) is printed with its credential replaced, in
+    the first line and in the line saying it cannot be read."""
+    pages = Pages(["<html>not metrics</html>\n"])
+    try:
+        authority = pages.url.split("//", 1)[1]
+        done = _doctor_watch(f"http://trainer:s3cr3t@{authority}", samples=2)
+    finally:
+        pages.close()
+    said = done.stdout + done.stderr
+    assert done.returncode == 1 and "s3cr3t" not in said and "trainer" not in said, said
+    assert f"cannot read http://***@{authority}" in said, said

@@ -477,12 +477,15 @@ def _watch_flags(doctor: argparse.ArgumentParser) -> None:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    from otel_session.dynamo.watch import watch
+    from otel_session.dynamo.watch import shown, watch
 
     try:
         windows = watch(args.watch, sys.stdout, interval=args.interval, samples=args.samples)
     except (OSError, ValueError, http.client.HTTPException) as exc:  # HTTPException: not HTTP at all
-        raise RunError(f"cannot read {args.watch} ({exc}); give the metrics endpoint's full URL") from None
+        said = str(exc).replace(args.watch, shown(args.watch))  # urllib may quote the URL back
+        raise RunError(
+            f"cannot read {shown(args.watch)} ({said}); give the metrics endpoint's full URL"
+        ) from None
     return 1 if any(w.verdict().startswith("BROKEN") for w in windows) else 0
 
 

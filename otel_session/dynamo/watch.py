@@ -131,6 +131,17 @@ class Window:
 MAX_BYTES = 64 * 2**20
 
 
+def shown(url: str) -> str:
+    """``url`` as printed: a ``user:password@`` in it is replaced, so a credential never reaches a log."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url if "@" not in url else "<a URL with credentials>"
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
 def fetch(url: str, timeout: float = 10.0) -> Sample:
     """One GET of the metrics endpoint (the only request ``--watch`` makes)."""
     if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):  # not a file, not ftp
@@ -166,7 +177,7 @@ def watch(
 ) -> list[Window]:
     """Print one line per ``interval`` on what the endpoint's figures did since the last sample, for
     ``samples`` windows (``None``: until interrupted). Returns the windows seen."""
-    out.write(f"otel-session doctor --watch {url}: one GET every {interval:g} s, no other request\n")
+    out.write(f"otel-session doctor --watch {shown(url)}: one GET every {interval:g} s, no other request\n")
     out.flush()
     seen: list[Window] = []
     old = read(url)
