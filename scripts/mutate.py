@@ -85,7 +85,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_ids": _RULES_TESTS,
     "_siblings": _SIBLINGS_TESTS,
     "_prompts": _SIBLINGS_TESTS,
-    "_group_keys": ("tests/test_boundaries_groups.py",),
+    "_group_keys": ("tests/test_group_keys.py", "tests/test_boundaries_groups.py"),
     "_trajectory": _ATTEMPT_TESTS,
     "_hop": _HOP_TESTS,
     "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),
