@@ -4,6 +4,10 @@ same judgement against a real Dynamo is tests/test_crowding_dynamo.py."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from otel_session import _crowding, _verdicts
 
 ROUTER = ("dynamo", "127.0.0.1", 8000)
@@ -63,3 +67,109 @@ def test_without_latencies_an_idle_worker_is_what_speaks() -> None:
         look = fleet.turn(f"s{s}", 1 if s < 12 else 2, None, 100.0) or look
     assert look is not None and look.idle == 3 and look.slow is None  # 2, 3 and 4 served nothing since
     assert _crowding.costs_step_time(look)
+
+
+# ----------------------------------------------------------------------------- each threshold at its edge
+
+
+def _look(**fields: object) -> _crowding.Look:
+    base: dict[str, object] = dict(crowded={1: 4}, workers=4, idle=0, sessions=8, slow=None, fast=None)
+    base.update(fields)
+    return _crowding.Look(**base)  # type: ignore[arg-type]
+
+
+def test_costs_step_time_at_each_edge() -> None:
+    slower = _crowding.SLOWER
+    assert _crowding.costs_step_time(_look(slow=slower * 0.2, fast=0.2))  # exactly SLOWER: it costs
+    assert not _crowding.costs_step_time(_look(slow=slower * 0.2 - 1e-9, fast=0.2))
+    assert not _crowding.costs_step_time(_look(slow=1.0, fast=None, idle=0))  # one side only: idle speaks
+    assert not _crowding.costs_step_time(_look(slow=None, fast=1.0, idle=0))
+    assert _crowding.costs_step_time(_look(idle=1))
+    assert not _crowding.costs_step_time(_look(idle=0))
+    assert not _crowding.costs_step_time(_look(slow=0.2, fast=0.2, idle=3))  # latencies win over idle
+
+
+def _fill(fleet: _crowding.Fleet, turns: list[tuple[str, int, float | None]], now: float) -> None:
+    for session, worker, latency in turns:
+        fleet.workers.add(worker)
+        fleet.recent.append((now, session, worker, latency))
+
+
+def test_a_worker_is_crowded_from_exactly_the_session_count_and_the_ratio() -> None:
+    at = _crowding.CROWDED_SESSIONS
+    fleet = _crowding.Fleet()
+    # worker 1 holds exactly CROWDED_SESSIONS sessions; 9 other workers one each: share = (at + 9) / 10
+    _fill(fleet, [(f"s{i}", 1, None) for i in range(at)] + [(f"o{w}", w, None) for w in range(2, 11)], 100.0)
+    look = fleet.look(100.0)
+    assert look is not None and look.crowded == {1: at} and look.workers == 10 and look.sessions == at + 9
+    assert look.idle == 0 and fleet.crowded == frozenset({1})
+    fleet = _crowding.Fleet()
+    _fill(
+        fleet, [(f"s{i}", 1, None) for i in range(at - 1)] + [(f"o{w}", w, None) for w in range(2, 11)], 100.0
+    )
+    assert fleet.look(100.0) is None  # one session short
+    # the ratio at its edge: 2 workers, worker 1 with 5 of 6 sessions: share 3, 5 < 2.5 x 3 = 7.5
+    fleet = _crowding.Fleet()
+    _fill(fleet, [(f"s{i}", 1, None) for i in range(5)] + [("o", 2, None)], 100.0)
+    assert fleet.look(100.0) is None
+
+
+def test_the_ratio_is_met_exactly_at_its_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_crowding, "CROWD_RATIO", 2.0)
+    fleet = _crowding.Fleet()  # 2 workers, 4 sessions: share 2; worker 1 holds 4 = 2.0 x 2
+    _fill(fleet, [(f"s{i}", 1, None) for i in range(4)], 100.0)
+    fleet.workers.add(2)
+    look = fleet.look(100.0)
+    assert look is not None and look.crowded == {1: 4} and look.idle == 1 and look.workers == 2
+
+
+def test_turns_leave_the_window_once_older_than_it() -> None:
+    fleet = _crowding.Fleet()
+    _fill(fleet, [(f"s{i}", 1, None) for i in range(8)], 100.0)
+    fleet.workers.update(range(2, 11))  # nine idle workers: 8 sessions on one is crowded
+    assert fleet.look(100.0 + _crowding.WINDOW) is not None  # exactly WINDOW old: still in
+    assert fleet.look(100.0 + _crowding.WINDOW + 0.001) is None and not fleet.recent
+
+
+def test_latencies_speak_from_exactly_min_latencies_and_the_median_is_the_upper_middle() -> None:
+    least = _crowding.MIN_LATENCIES
+    fleet = _crowding.Fleet()
+    slow = [0.1 * (i + 1) for i in range(least)]  # 0.1 0.2 0.3 0.4: the upper middle is 0.3
+    _fill(fleet, [(f"s{i}", 1, lat) for i, lat in enumerate(slow)], 100.0)
+    _fill(fleet, [(f"o{i}", 2 + i, 0.05 * (i + 1)) for i in range(least - 1)], 100.0)
+    fleet.workers.update(range(2, 13))
+    look = fleet.look(100.0)
+    assert look is not None and look.slow == pytest.approx(0.3) and look.fast is None
+    assert look.sessions == 2 * least - 1 and look.idle == 12 - least  # 12 known, 1 + 3 served
+    _fill(fleet, [("o9", 9, 0.2)], 100.0)
+    look = fleet.look(100.0)
+    assert look is not None and look.fast == pytest.approx(0.15)  # 0.05 0.1 0.15 0.2: the 3rd
+
+
+def test_every_eighth_turn_looks_and_the_count_starts_again() -> None:
+    fleet = _crowding.Fleet()
+    fleet.workers.update(range(2, 11))
+    looks = [fleet.turn(f"s{i}", 1, None, now=100.0) for i in range(2 * _crowding.EVERY)]
+    assert [i for i, look in enumerate(looks) if look is not None] == [
+        _crowding.EVERY - 1,
+        2 * _crowding.EVERY - 1,
+    ]
+    assert fleet.since == 0
+
+
+def test_a_turn_without_a_time_is_stamped_now() -> None:
+    fleet = _crowding.Fleet()
+    fleet.turn("s", 1, None)
+    assert abs(fleet.recent[0][0] - time.monotonic()) < 5
+
+
+def test_the_workers_kept_stop_at_their_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_crowding, "WORKERS_KEPT", 3)
+    fleet = _crowding.Fleet()
+    for worker in range(5):
+        fleet.turn("s", worker, None, now=1.0)
+    assert fleet.workers == {0, 1, 2}
+
+
+def test_an_empty_window_is_no_look() -> None:
+    assert _crowding.Fleet().look(1.0) is None
