@@ -54,10 +54,11 @@ class Recorded:
 class Router:
     """A loopback router that lists ``models`` and records every request; ``delay`` per answer."""
 
-    models: list[object] = field(default_factory=lambda: ["m"])
+    models: list[object] | None = field(default_factory=lambda: ["m"])
     delay: float = 0.0
     seen: list[Recorded] = field(default_factory=list)
     status: int = 200
+    padding: int = 0  # bytes of filler in every answer: an answer over a read's limit
 
     async def handle(self, request: Request) -> Response:
         body = await request.body()
@@ -66,9 +67,12 @@ class Router:
         )
         if self.delay:
             time.sleep(self.delay)  # the server's own thread: a router that is slow to answer
+        filler = "x" * self.padding
         if request.url.path == "/v1/models":
-            return JSONResponse({"data": [{"id": m} for m in self.models] + ["not a model"]})
-        return JSONResponse({"status": "ok"}, status_code=self.status)
+            if self.models is None:
+                return JSONResponse({"object": "list"})  # no "data" at all
+            return JSONResponse({"data": [{"id": m} for m in self.models] + ["not a model"], "pad": filler})
+        return JSONResponse({"status": "ok", "pad": filler}, status_code=self.status)
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/{path:path}", self.handle, methods=["GET", "POST"])])
@@ -190,7 +194,9 @@ def test_an_exit_waits_for_its_notices_but_at_most_the_budget(served: tuple[Rout
     started = time.monotonic()
     finish(SESSION + "-w", None, {_visit("vllm-router", server)})
     waited = time.monotonic() - started
-    assert router.posts() and waited >= router.delay * 0.9  # it waited for the answer ...
+    assert (
+        router.posts() and router.delay * 0.9 <= waited < BUDGET_SECONDS * 0.9
+    )  # it waited for the answer ...
     router.delay = BUDGET_SECONDS + 0.5
     started = time.monotonic()
     finish(SESSION + "-x", None, {_visit("vllm-router", server)})
@@ -250,3 +256,146 @@ def test_a_failing_router_is_one_warning_per_router_and_configuration(
 def test_a_notice_is_a_plain_value() -> None:
     notice = Notice("finish", "http://h", ("vllm-router", "http", "h", None), "s", None)
     assert notice == Notice("finish", "http://h", ("vllm-router", "http", "h", None), "s", None)
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "otel_session" and r.levelno >= logging.WARNING
+    ]
+
+
+def test_a_notice_goes_out_on_a_named_daemon_thread_and_slots_count_each(
+    served: tuple[Router, AsgiServer],
+) -> None:
+    router, server = served
+    router.delay = 0.3
+    ends = [
+        threading.Thread(target=finish, args=(f"{SESSION}-t{index}", None, {_visit("vllm-router", server)}))
+        for index in range(2)
+    ]
+    for end in ends:
+        end.start()
+    _wait_for(lambda: in_flight() == 2)
+    named = [t for t in threading.enumerate() if t.name == "otel-session-end"]
+    assert len(named) == 2 and all(t.daemon for t in named)
+    for end in ends:
+        end.join()
+    _wait_for(lambda: in_flight() == 0)
+
+
+def test_a_finished_session_posts_an_empty_body_and_a_healthy_router_is_no_warning(
+    served: tuple[Router, AsgiServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    router, server = served
+    router.padding = 40_000  # an answer under the 64 KiB a notice reads
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        finish(SESSION + "-e", None, {_visit("vllm-router", server)})
+        finish(SESSION + "-e", PARENT, {_visit("dynamo", server)})
+        _wait_for(lambda: in_flight() == 0)
+    assert next(p.headers.get("content-length") for p in router.posts()) == "0"
+    assert len(router.posts()) == 2 and _warnings(caplog) == []
+
+
+def test_a_model_list_over_a_mib_is_a_failed_notice(caplog: pytest.LogCaptureFixture) -> None:
+    """A notice reads at most 1 MiB of a model list (a Dynamo frontend's is a few hundred bytes)."""
+    profile = "dynamo"
+    router = Router(padding=1_500_000)
+    otel_session.configure(routers={profile: ["127.0.0.1:1"]}, end_sessions=True)
+    with AsgiServer(router.app()) as server, caplog.at_level(logging.WARNING, logger="otel_session"):
+        finish(f"{SESSION}-{profile}-big", None, {_visit(profile, server)})
+        _wait_for(lambda: in_flight() == 0)
+    said = _warnings(caplog)
+    assert len(said) == 1 and said[0].startswith(f"otel-session: could not tell {profile} at "), said
+    assert [s.path for s in router.seen] == ["/v1/models"]
+
+
+def test_a_model_list_without_data_tells_no_model_and_warns_nothing(
+    served: tuple[Router, AsgiServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    router, server = served
+    router.models = None
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        finish(SESSION + "-nodata", None, {_visit("dynamo", server)})
+        _wait_for(lambda: in_flight() == 0)
+    assert router.posts() == [] and _warnings(caplog) == []
+
+
+def test_the_warning_names_the_router_the_error_and_what_follows(caplog: pytest.LogCaptureFixture) -> None:
+    router = Router(models=[])
+    with AsgiServer(router.app()) as server:
+        port = server.port
+    otel_session.configure(routers={"vllm-router": [f"127.0.0.1:{port}"]}, end_sessions=True)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        finish(SESSION + "-refused", None, {("vllm-router", "http", "127.0.0.1", port)})
+        _wait_for(lambda: in_flight() == 0)
+    (said,) = _warnings(caplog)
+    assert said.startswith(
+        f"otel-session: could not tell vllm-router at http://127.0.0.1:{port} that a session ended "
+        "(ConnectionRefusedError: "
+    ), said
+    assert said.endswith(
+        "); its binding will idle out instead. Further failures for this router are not logged."
+    ), said
+    assert "s after it started" not in said
+
+
+def test_a_notice_past_its_deadline_says_how_long_it_had(
+    served: tuple[Router, AsgiServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    router, server = served
+    router.delay = NOTICE_DEADLINE_S + 0.3
+    otel_session.configure(routers={"vllm-router": [f"127.0.0.1:{server.port}"]}, end_sessions=True)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        finish(SESSION + "-late", None, {_visit("vllm-router", server)})
+        _wait_for(lambda: in_flight() == 0, timeout=NOTICE_DEADLINE_S + 2)
+    (said,) = _warnings(caplog)
+    assert "(TimeoutError: " in said and f"({NOTICE_DEADLINE_S} s after it started)" in said, said
+
+
+def test_a_dropped_notice_says_so_at_debug(
+    served: tuple[Router, AsgiServer], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    router, server = served
+    monkeypatch.setattr(_session_end, "_MAX_IN_FLIGHT", 0)
+    with caplog.at_level(logging.DEBUG, logger="otel_session"):
+        finish(SESSION + "-drop", None, {_visit("vllm-router", server)})
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert said == [
+        f"otel-session: too many session ends in flight; http://127.0.0.1:{server.port} left to its TTL"
+    ]
+    assert router.seen == [] and in_flight() == 0
+
+
+def test_a_fault_while_ending_is_reported_once_and_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otel_session import _faults
+
+    monkeypatch.setattr(_faults, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        finish(SESSION, None, set())  # nothing to tell: nothing to report either
+        assert _warnings(caplog) == []
+        finish(SESSION, None, 42)  # type: ignore[arg-type]
+    (said,) = _warnings(caplog)
+    assert said.startswith("otel-session: ending sessions failed (TypeError)"), said
+    assert caplog.records[-1].exc_info is not None
+
+
+def test_an_async_exit_awaits_its_notices_within_the_budget(served: tuple[Router, AsgiServer]) -> None:
+    import asyncio
+
+    router, server = served
+    router.delay = BUDGET_SECONDS * 0.4
+
+    async def end() -> float:
+        started = time.monotonic()
+        await _session_end.finish_async(SESSION + "-async", None, {_visit("vllm-router", server)})
+        return time.monotonic() - started
+
+    waited = asyncio.run(end())
+    assert router.posts() and router.delay * 0.9 <= waited < BUDGET_SECONDS * 0.9
+    router.delay = BUDGET_SECONDS + 0.5
+    started = time.monotonic()
+    asyncio.run(_session_end.finish_async(SESSION + "-async2", None, {_visit("vllm-router", server)}))
+    assert BUDGET_SECONDS * 0.9 <= time.monotonic() - started < BUDGET_SECONDS + 0.3
+    _wait_for(lambda: in_flight() == 0, timeout=NOTICE_DEADLINE_S + 2)
