@@ -38,6 +38,7 @@ _RULES_TESTS = (
 # Each module (under otel_session, dotted) and the fast, in-process test files whose tests may be run
 # against its mutants: only these, so a mutant of one module never waits on another module's tests.
 _SIBLINGS_TESTS = (
+    "tests/test_siblings_table.py",
     "tests/test_prompts.py",
     "tests/test_siblings.py",
     "tests/test_siblings_inferred.py",

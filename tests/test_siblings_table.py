@@ -1,0 +1,144 @@
+"""The sibling table (``otel_session._siblings``) on its own, in the fast tier: which parent each
+join names, when a group is forgotten, what a key's own code may and may not do, and how a spelling
+reads and prints. End to end over loopback: ``tests/test_siblings.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+
+import pytest
+
+from otel_session import _faults, _siblings
+from otel_session._siblings import GroupKey, Inferred, Siblings, join, leave, open_groups
+
+
+@pytest.fixture(autouse=True)
+def _empty_table() -> None:
+    _siblings._groups.clear()
+
+
+def test_k_siblings_share_each_parent_and_every_join_is_counted_open() -> None:
+    pairs = Siblings(2)
+    joined = [join("g", pairs) for _ in range(5)]
+    parents = [j[0] for j in joined if j is not None]
+    assert parents[0] == parents[1] != parents[2] == parents[3] != parents[4]
+    (group,) = _siblings._groups.values()
+    assert (group.started, group.open, len(group.parents)) == (5, 5, 3)
+    for entry in joined:
+        assert entry is not None
+        leave(entry[1])
+    assert open_groups() == 0
+
+
+def test_prompt_puts_every_sibling_under_one_parent_and_attempt_names_none() -> None:
+    assert len({j[0] for j in (join("g", Siblings(0)) for _ in range(4)) if j is not None}) == 1
+    assert join("h", Siblings(None)) is None and open_groups() == 1
+
+
+def test_a_group_is_forgotten_only_when_its_last_attempt_leaves() -> None:
+    first, second = join("g", Siblings(2)), join("g", Siblings(2))
+    assert first is not None and second is not None
+    leave(first[1])
+    assert open_groups() == 1 and next(iter(_siblings._groups.values())).open == 1
+    leave(second[1])
+    assert open_groups() == 0
+    third = join("g", Siblings(2))
+    assert third is not None and third[0] != first[0]  # a new step: a new parent
+
+
+def test_leaving_with_a_stale_ticket_leaves_the_new_group_alone() -> None:
+    old = join("g", Siblings(2))
+    assert old is not None
+    leave(old[1])
+    new = join("g", Siblings(2))
+    assert new is not None
+    leave(old[1])  # the old group's ticket again: not this group's
+    assert open_groups() == 1
+    leave(GroupKey("never joined"))
+    assert open_groups() == 1
+
+
+class Unequal:
+    """A key whose equality raises (an application's own ``__eq__``)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no comparing me")
+
+
+def test_a_key_whose_equality_raises_names_no_parent_and_is_reported_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_faults, "_reported", set())
+    assert join(Unequal(), Siblings(2)) is not None  # alone in its bucket: never compared
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        assert join(Unequal(), Siblings(2)) is None  # compared with the first: raises, no parent
+    (said,) = [r for r in caplog.records if r.name == "otel_session"]
+    assert "comparing a trajectory(group=...) key failed (RuntimeError)" in said.getMessage()
+    assert said.exc_info is not None
+
+
+def test_a_ticket_equals_only_a_ticket_of_an_equal_key() -> None:
+    assert GroupKey("a") == GroupKey("a") and GroupKey("a") != GroupKey("b")
+    assert GroupKey("a") != "a" and hash(GroupKey("a")) == hash("a")
+    nan = float("nan")
+    assert GroupKey(nan) == GroupKey(nan)  # the same object: equal though nan != nan
+    assert GroupKey(float("nan")) != GroupKey(float("nan"))
+
+
+def test_an_inferred_attempt_decides_once_and_a_straggler_joins_nothing() -> None:
+    attempt = Inferred(Siblings(2))
+    assert attempt.decided is False and attempt.key is None
+    parent = attempt.decide("g")
+    assert parent is not None and attempt.decide("other") == parent and open_groups() == 1
+    attempt.release()
+    assert open_groups() == 0 and attempt.decided is True
+    late = Inferred(Siblings(2))
+    late.release()
+    assert late.decide("g") is None and open_groups() == 0  # released before its first request
+
+
+def test_an_inferred_attempt_without_a_prompt_names_no_parent_for_good() -> None:
+    attempt = Inferred(Siblings(2))
+    assert attempt.decide(None) is None and attempt.decide("g") is None and open_groups() == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [("attempt", "attempt"), ("PROMPT", "prompt"), ("groups:3", "groups:3"), ("groups:4096", "groups:4096")],
+)
+def test_a_spelling_prints_as_it_reads(text: str, shown: str) -> None:
+    assert str(Siblings.parse(text)) == shown
+
+
+@pytest.mark.parametrize("text", ["groups:4097", "groups:2:3", "x:groups:2"])
+def test_spellings_out_of_range_or_with_two_colons_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not attempt, prompt or groups:K"):
+        Siblings.parse(text)
+
+
+def test_a_forked_child_starts_with_an_empty_table_and_fresh_locks() -> None:
+    assert join("g", Siblings(2)) is not None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            fresh = _siblings._lock.acquire(blocking=False) and _siblings._decide_lock.acquire(blocking=False)
+            os.write(write_end, f"{open_groups()} {fresh}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 10)
+        assert ready, "the forked child sent nothing within 10 s"
+        said = os.read(read_end, 100).decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    assert said == "0 True" and open_groups() == 1
