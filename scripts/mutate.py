@@ -65,7 +65,12 @@ _HOP_TESTS = (
     "tests/test_propagator.py",
     "tests/test_delivery.py",
 )
-_EVIDENCE_TESTS = ("tests/test_evidence.py", "tests/test_crowding.py", "tests/test_fallback.py")
+_EVIDENCE_TESTS = (
+    "tests/test_metrics_rules.py",
+    "tests/test_evidence.py",
+    "tests/test_crowding.py",
+    "tests/test_fallback.py",
+)
 _CLIENT_TESTS = (
     "tests/test_leaks.py",
     "tests/test_hostile.py",
