@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,7 +17,10 @@ from otel_session._siblings import GroupKey, Inferred, Siblings, join, leave, op
 
 
 @pytest.fixture(autouse=True)
-def _empty_table() -> None:
+def _empty_table() -> Iterator[None]:
+    """Each test starts with no group and leaves none behind for the tests after it."""
+    _siblings._groups.clear()
+    yield
     _siblings._groups.clear()
 
 
