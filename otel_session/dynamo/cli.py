@@ -11,7 +11,7 @@ line naming it and what it accepts, exit code 2 (the flags shared with :class:`L
 checks, ``_checks``). Missing packages are named with the one command that installs them, before any
 stack or install begins.
 
-Why one module of some 500 lines: it is the whole command, each part written for this command only
+Why one module of some 600 lines: it is the whole command, each part written for this command only
 (flags, up-front checks, progress, the side-by-side table, the three subcommands); the work itself
 is in ``workload`` and ``doctor``.
 """
