@@ -96,6 +96,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_hop": _HOP_TESTS,
     "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),
     "_carriers": (
+        "tests/test_carriers.py",
         "tests/test_faults.py",
         "tests/test_hostile.py",
         "tests/test_leaks.py",
