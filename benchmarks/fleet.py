@@ -106,7 +106,7 @@ class Arm:
 
     name: str
     router: str
-    keying: str  # "none", "attempt", "default", "prompt", "groups:K" or "auto"
+    keying: str  # "none", "attempt", "default", "prompt", "groups:K", "auto" (doctor's K) or "fleet"
     mode: str = "hard"
     affinity_ttl: int | None = AFFINITY_TTL  # None: affinity off at the frontend (the header is ignored)
     frontend_args: tuple[str, ...] = ()
@@ -140,6 +140,8 @@ ARMS: dict[str, Arm] = {
         Arm("kv+groups:2", "kv", "groups:2"),
         Arm("kv+groups:4", "kv", "groups:4"),
         Arm("kv+auto", "kv", "auto"),
+        Arm("kv+fleet", "kv", "fleet"),
+        Arm("kv+fleet/nogroup", "kv", "fleet", name_group=False),
         Arm("kv+attempt/soft", "kv", "attempt", "soft"),
         Arm("kv+default/soft", "kv", "default", "soft"),
         Arm("kv+default/predicted", "kv", "default", frontend_args=("--router-predicted-ttl-secs", "5")),
@@ -289,10 +291,11 @@ def _step(figures: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
-def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0) -> dict[str, Any]:
-    """A fresh stack for one arm of one repeat: the fleet's caches start cold for every arm."""
-    machine = harness.load_figures()
-    workload = cell.workload(seed, speedup, arm.name_group)
+def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0, steps: int = 1) -> list[dict[str, Any]]:
+    """A fresh stack for one arm of one repeat (the fleet's caches start cold for every arm), and
+    ``steps`` GRPO steps on it one after another under one configuration, each with prompts of its
+    own: what the library learns in one step (``fleet``'s shape) serves the next, as in training."""
+    rows = []
     with harness.stack(arm.deployment, cell.workers, cell.blocks, speedup) as served:
         setting = "none"
         if arm.keying != "none":
@@ -301,15 +304,36 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0) -> dict[str, 
             )
             setting = str(settings.siblings)  # what the library resolved, its default included
         try:
-            load = harness.run_load([served.base_url], served.stack.model_name, workload)
+            for step in range(steps):
+                machine = harness.load_figures()
+                workload = cell.workload(seed + 1000 * step, speedup, arm.name_group)
+                load = harness.run_load([served.base_url], served.stack.model_name, workload)
+                rows.append(_row(cell, arm, seed, speedup, setting, workload, load, machine, step, steps))
         finally:
             otel_session.unconfigure()
+    return rows
+
+
+def _row(
+    cell: Cell,
+    arm: Arm,
+    seed: int,
+    speedup: float,
+    setting: str,
+    workload: Workload,
+    load: harness.Load,
+    machine: dict[str, Any],
+    step: int,
+    steps: int,
+) -> dict[str, Any]:
     size = group_size(setting, cell)
     shape = {k: v for k, v in asdict(workload).items() if k not in ("prompts", "siblings", "seed")}
     return {
         **asdict(cell),
         **shape,
-        "cell": cell.label,
+        # a later step of a multi-step run is a cell of its own: its arms pair only with each other
+        "cell": cell.label if steps == 1 else f"{cell.label} step {step + 1}/{steps}",
+        "step": step,
         "arm": arm.name,
         "router": arm.router,
         "keying": arm.keying,
@@ -340,6 +364,7 @@ def run_cell(
     sink: list[dict[str, Any]],
     out: Path | None,
     speedups: Sequence[float] = (1.0,),
+    steps: int = 1,
 ) -> None:
     """Every arm at every speedup, ``repeats`` times, the arms' order rotated each repeat (so drift
     in the machine's load spreads over the arms), rows saved after each run."""
@@ -347,10 +372,10 @@ def run_cell(
         order = list(arms[rep % len(arms) :]) + list(arms[: rep % len(arms)])
         for speedup in speedups:
             for arm in order:
-                row = run_arm(cell, arm, seed0 + rep, speedup)
-                row["repeat"] = rep
-                sink.append(row)
-                print(_line(row), flush=True)
+                for row in run_arm(cell, arm, seed0 + rep, speedup, steps):
+                    row["repeat"] = rep
+                    sink.append(row)
+                    print(_line(row), flush=True)
                 if out is not None:
                     _save(sink, out)
 
@@ -771,6 +796,9 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
     parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument(
+        "--steps", type=int, default=1, help="GRPO steps per run, one after another on one stack"
+    )
+    parser.add_argument(
         "--speedup",
         default="1.0",
         help="the mocker's --speedup-ratio, or several comma-separated, each run in every repeat "
@@ -795,7 +823,8 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
         print(HEADER)
         for cell in cells:
             speedups = [float(x) for x in args.speedup.split(",")]
-            run_cell(cell, arms, repeats, args.seed, rows, None if args.quick else args.out, speedups)
+            out = None if args.quick else args.out
+            run_cell(cell, arms, repeats, args.seed, rows, out, speedups, args.steps)
     print()
     print(step_table(rows))
     print()

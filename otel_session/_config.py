@@ -17,7 +17,17 @@ from urllib.parse import urlsplit
 from opentelemetry import propagate
 from opentelemetry.propagators.textmap import TextMapPropagator
 
-from otel_session import _evidence, _faults, _registry, _settings, _stock, _threads, _tracing
+from otel_session import (
+    _evidence,
+    _faults,
+    _fleet,
+    _registry,
+    _settings,
+    _siblings,
+    _stock,
+    _threads,
+    _tracing,
+)
 from otel_session._hosts import HostPattern
 from otel_session._propagator import SessionPropagator
 from otel_session._routers import DYNAMO
@@ -139,6 +149,8 @@ def unconfigure() -> None:
         _settings.set_active(None)
         _told.clear()
         _evidence.forget()  # what the routers of this configuration showed, and who was unpinned
+        _fleet.forget()  # the fleet sizes read and the step shape seen (``fleet``): the next
+        _siblings.forget_shape()  # configuration may name other routers and run other steps
         _tracing.apply(False)
         _threads.apply(False)
         for name in _registry.instrumentors():

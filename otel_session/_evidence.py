@@ -106,8 +106,9 @@ def parsed(
     ``response``: the client's response object, whose first usage alone is its turn."""
     if not isinstance(data, Mapping) or ("usage" not in data and "nvext" not in data):
         return
-    session = session_ids(get_current())[0]
-    if session is None:
+    ctx = get_current()
+    session = session_ids(ctx)[0]
+    if session is None or not _hop.sends_session(ctx, session):
         return
     router = router_for(scheme, host, port)
     if router is None:

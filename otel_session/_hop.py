@@ -23,7 +23,7 @@ from typing import NamedTuple
 from opentelemetry import baggage, trace
 from opentelemetry.context import Context, get_current
 
-from otel_session import _faults, _metrics, _prompts, _settings, _siblings, _w3c
+from otel_session import _faults, _fleet, _metrics, _prompts, _settings, _siblings, _w3c
 from otel_session._context import ROUTER_VISITS_KEY, SIBLINGS_KEY, session_ids
 from otel_session._hosts import NOWHERE, Route, canonical_origin
 from otel_session._policy import Edit, Offer, names_for, plan
@@ -134,22 +134,35 @@ class Offered:
             self._plans[destination] = found
         return found
 
-    def decide(self, body: bytes | bytearray | memoryview | str | None) -> Offered:
-        """The first request to a router of an attempt with no group given, whose serialized body is
-        ``body`` (``None``: not readable cheaply): its prompt decides the attempt's group and parent,
-        kept for every later request; what the context offers from now on."""
+    def decide(self, body: bytes | bytearray | memoryview | str | None, destination: Destination) -> Offered:
+        """The first request to a router of an attempt whose group is still to read, whose serialized
+        body is ``body`` (``None``: not readable cheaply) and which goes to ``destination``: its prompt
+        (or the attempt's ``group=``) decides the attempt's group and parent, kept for every later
+        request; what the context offers from now on."""
         holder = self.undecided
         if holder is None:
             return self
-        return self.decided(holder.decide(_prompts.key_of(body)))
+        workers = None
+        if holder.policy.fleet:  # K from the router's fleet size: a router given no parent needs none
+            profile = self.plan(*destination).route.profile
+            scheme, host, port = destination
+            if profile is None or profile.parent_header is None or not host:
+                workers = _siblings.UNREADABLE
+            else:
+                workers = _fleet.size_at((scheme, host, port))
+        parent = holder.decide(_prompts.key_of(body), workers)
+        if holder.policy.fleet:
+            _chose(holder, workers)
+        return self.decided(parent, holder.withheld)
 
-    def decided(self, parent: str | None) -> Offered:
-        """What the context offers once its attempt's parent is known (remembered in its place)."""
+    def decided(self, parent: str | None, withheld: bool = False) -> Offered:
+        """What the context offers once its attempt's parent is known (remembered in its place);
+        ``withheld``: ``fleet`` sends the attempt without its session (baggage still goes as told)."""
         global _last
-        if parent is None:  # no group: this offer holds as it is, and its plans made so far too
+        if parent is None and not withheld:  # no group: this offer holds as it is, and its plans too
             self.undecided = None
             return self
-        offer = self.offer._replace(parent=parent)  # the router's header: baggage stays as the context says
+        offer = self.offer._replace(parent=parent, pinned=self.offer.pinned and not withheld)
         found = Offered(self.settings, self.context, offer)
         if _last is self:
             _last = found
@@ -179,7 +192,47 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
         holder = ctx.get(SIBLINGS_KEY)
         if isinstance(holder, _siblings.Inferred):
             parent = holder.parent  # decided by the attempt's first request to a router (header only)
+            if holder.withheld:  # ``fleet`` chose to send this attempt without its session
+                traceparent = _passed_on(trace.get_current_span(ctx), tracing)
+                return Offer(session, None, baggage.get_all(ctx), traceparent, pinned=False)
     return Offer(session, parent, baggage.get_all(ctx), _passed_on(trace.get_current_span(ctx), tracing))
+
+
+_chosen: set[str] = set()
+
+
+def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
+    """``fleet`` decided an attempt: the choice counted, and said once per kind of choice."""
+    if holder.key is None:
+        return  # no group read (a streamed body): the attempt goes alone, pinned as the others
+    choice = "withheld" if holder.withheld else "alone" if holder.parent is None else "grouped"
+    if _metrics.recording():
+        _metrics.count(_metrics.sibling_choices, 1, {"otel_session.siblings.choice": choice})
+    if choice in _chosen:
+        return
+    _chosen.add(choice)
+    if holder.withheld and workers is None:
+        why = "the router's fleet size is still being read from its /health"
+    elif holder.withheld:
+        why = "no step has ended here yet to size groups by"
+    else:
+        why = f"sized to the fleet ({workers} workers) and the last step's groups"
+    what = {
+        "withheld": "goes without its session, placed by the router alone (as without otel-session)",
+        "alone": "goes under its own session, no parent (one sibling per worker)",
+        "grouped": "goes with its siblings under a shared parent session",
+    }[choice]
+    _faults.warn("otel-session: OTEL_SESSION_SIBLINGS=fleet: an attempt %s: %s (said once)", what, why)
+
+
+def sends_session(ctx: Context, session: str) -> bool:
+    """Whether requests of ``ctx``'s attempt (session ``session``) carry it to their router: not one
+    ``fleet`` withheld, nor one unpinned after its router refused it (their turns land where the
+    router alone places them, which says nothing of affinity)."""
+    holder = ctx.get(SIBLINGS_KEY)
+    if isinstance(holder, _siblings.Inferred) and holder.withheld:
+        return False
+    return session not in unpinned
 
 
 def _undecided(ctx: Context) -> _siblings.Inferred | None:

@@ -78,6 +78,12 @@ unpinned_sessions = _meter.create_counter(
     description="Sessions a router refused for want of room (529) whose later requests went unpinned.",
 )
 
+sibling_choices = _meter.create_counter(
+    "otel_session.sibling_choices",
+    unit="{trajectory}",
+    description="Attempts OTEL_SESSION_SIBLINGS=fleet decided, by choice: grouped, alone or withheld.",
+)
+
 Destination = tuple[str, "str | None", "int | None"]  # (scheme, host, port) as the client dials them
 # Attribute sets made once per (profile, destination, with session, retry): a run has few routers.
 _attributes: dict[tuple[str, Destination, bool, bool], dict[str, Any]] = {}

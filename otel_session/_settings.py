@@ -235,7 +235,7 @@ class _Reader:
         return None
 
     def siblings(self, value: object) -> Siblings:
-        """``attempt``, ``prompt`` or ``groups:K``; a bad variable keeps the default (lenient)."""
+        """``attempt``, ``prompt``, ``fleet`` or ``groups:K``; a bad variable keeps the default (lenient)."""
         name = "siblings" if value is not None else ENV_SIBLINGS
         raw = value if value is not None else os.environ.get(ENV_SIBLINGS, "")
         if isinstance(raw, Siblings):

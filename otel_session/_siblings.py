@@ -5,14 +5,19 @@ parent (Dynamo's ``X-Dynamo-Parent-Session-ID``), which makes the router place t
 siblings under one parent share the prompt's cache on one worker but crowd it; each on its own
 spreads them and recomputes the shared prompt on every worker. ``groups:K`` puts each K siblings
 open at once under a parent of their own: the measured middle (docs/performance.md, "At fleet
-scale"). A group is named by the caller (``trajectory(group=...)``) or, where it names none, by the
-prompt of the attempt's first request to a router (``Inferred``, keyed by ``_prompts``). A group is
-known only while one of its attempts is open, so nothing here outlives a step.
+scale"). ``fleet`` picks K at run time, one group per worker as ``otel-session doctor`` sizes it,
+from the router's fleet size (``_fleet``) and the shape of the last step seen here (groups open at
+once, siblings per group); until it has both it withholds the session, so the router places those
+attempts as it would without otel-session. A group is named by the caller (``trajectory(group=...)``)
+or, where it names none, by the prompt of the attempt's first request to a router (``Inferred``,
+keyed by ``_prompts``). A group is known only while one of its attempts is open: nothing here
+outlives a step but its shape.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Hashable
@@ -22,30 +27,45 @@ from otel_session import _faults
 from otel_session._ids import new_session_id
 
 ENV_SIBLINGS = "OTEL_SESSION_SIBLINGS"
+FLEET = -1  # ``Siblings.size`` of ``fleet``: K chosen at run time
+WITHHELD = ""  # the parent ``join`` gives an attempt of ``fleet`` sent without its session
+UNREADABLE = 0  # a fleet size that cannot be known (``_fleet.UNREADABLE``): the default's K
 
 
 @dataclass(frozen=True)
 class Siblings:
     """How attempts of one group are keyed: ``size`` siblings under each parent; ``None``: none
-    under a parent (``attempt``); ``0``: all of them under one (``prompt``)."""
+    under a parent (``attempt``); ``0``: all of them under one (``prompt``); ``FLEET``: sized at
+    run time (``fleet``)."""
 
     size: int | None
 
     @classmethod
     def parse(cls, text: str) -> Siblings:
-        """``attempt``, ``prompt`` or ``groups:K`` (K a whole number from 1); ``ValueError`` else."""
+        """``attempt``, ``prompt``, ``fleet`` or ``groups:K`` (K a whole number from 1), else ValueError."""
         value = text.strip().lower()
         if value == "attempt":
             return cls(None)
         if value == "prompt":
             return cls(0)
+        if value == "fleet":
+            return cls(FLEET)
         kind, sep, size = value.partition(":")
         if kind == "groups" and sep and size.isdigit() and 1 <= int(size) <= 4096:
             return cls(int(size))
-        raise ValueError(f"{text!r} is not attempt, prompt or groups:K (K from 1 to 4096, e.g. groups:2)")
+        raise ValueError(
+            f"{text!r} is not attempt, prompt, fleet or groups:K (K from 1 to 4096, e.g. groups:2)"
+        )
+
+    @property
+    def fleet(self) -> bool:
+        """Whether K is chosen at run time (``fleet``)."""
+        return self.size == FLEET
 
     def __str__(self) -> str:
-        return "attempt" if self.size is None else "prompt" if self.size == 0 else f"groups:{self.size}"
+        if self.size is None:
+            return "attempt"
+        return "prompt" if self.size == 0 else "fleet" if self.size == FLEET else f"groups:{self.size}"
 
 
 # The default, chosen from the fleet measurements (docs/performance.md, "At fleet scale").
@@ -72,10 +92,11 @@ class GroupKey:
 
 
 class _Group:
-    __slots__ = ("key", "open", "parents", "started")
+    __slots__ = ("key", "open", "parents", "size", "started")
 
-    def __init__(self, key: GroupKey) -> None:
+    def __init__(self, key: GroupKey, size: int | None) -> None:
         self.key = key  # as the group's first attempt joined: every attempt leaves with this one
+        self.size = size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
         self.started = 0  # attempts of the group opened while it was known
         self.open = 0  # attempts of the group open now
         self.parents: list[str] = []  # one per sub-group, minted as the sub-group opens
@@ -85,9 +106,55 @@ _groups: dict[GroupKey, _Group] = {}
 _lock = threading.Lock()
 
 
-def join(key: Hashable, policy: Siblings) -> tuple[str, GroupKey] | None:
+class _Shape:
+    """The last step's shape as seen here, for ``fleet``: the most groups open at once and the most
+    attempts one group started. A step ends where no group is open (a GRPO step's siblings all end
+    before the next step's start); the shape kept is the larger of the running and the last step's."""
+
+    __slots__ = ("last", "open", "size")
+
+    def __init__(self) -> None:
+        self.open = 0  # this step: most groups open at once
+        self.size = 0  # this step: most attempts of a group that ended
+        self.last = (0, 0)  # the step before: (groups open at once, siblings per group)
+
+    def groups_siblings(self) -> tuple[int, int] | None:
+        """(groups open at once, siblings per group), once one group has ended; ``None`` before."""
+        size = max(self.size, self.last[1])
+        return (max(self.open, self.last[0], 1), size) if size > 0 else None
+
+    def opened(self, groups: int) -> None:
+        self.open = max(self.open, groups)
+
+    def ended(self, started: int, groups_left: int) -> None:
+        self.size = max(self.size, started)
+        if groups_left == 0:
+            self.last, self.open, self.size = (self.open, self.size), 0, 0
+
+
+_shape = _Shape()
+
+
+def fleet_size_of(workers: int | None) -> int | None:
+    """Siblings per parent under ``fleet`` for a fleet of ``workers`` (``None``: not known yet, or
+    no step seen: withheld; ``UNREADABLE``: the default's K), one group per worker as ``otel-session
+    doctor`` sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once."""
+    if workers is None:
+        return None
+    if workers == UNREADABLE:
+        return DEFAULT.size
+    shape = _shape.groups_siblings()
+    if shape is None:
+        return None
+    groups, siblings = shape
+    return max(1, math.ceil(siblings / max(1, workers // groups)))
+
+
+def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[str | None, GroupKey] | None:
     """The parent session for one more attempt of group ``key`` under ``policy`` and the ticket to
-    ``leave`` with once it ends (``None``: no parent, nothing to leave)."""
+    ``leave`` with once it ends (``None``: no parent, nothing to leave). Under ``fleet`` the parent is
+    ``None`` where each sibling goes alone and ``WITHHELD`` where the session is not to be sent;
+    ``workers``: the router's fleet size (``_fleet.size_at``)."""
     if policy.size is None:
         return None
     with _lock:
@@ -95,15 +162,21 @@ def join(key: Hashable, policy: Siblings) -> tuple[str, GroupKey] | None:
             ticket = GroupKey(key)
             group = _groups.get(ticket)
             if group is None:
-                group = _groups[ticket] = _Group(ticket)
+                size = fleet_size_of(workers) if policy.fleet else policy.size
+                group = _groups[ticket] = _Group(ticket, size)
+                _shape.opened(len(_groups))
         except Exception as exc:
             _faults.report("comparing a trajectory(group=...) key", exc)
             return None
-        sub = group.started // policy.size if policy.size else 0
-        while len(group.parents) <= sub:
-            group.parents.append(new_session_id())
         group.started += 1
         group.open += 1
+        if group.size is None:
+            return WITHHELD, group.key
+        if group.size == 1 and policy.fleet:
+            return None, group.key
+        sub = (group.started - 1) // group.size if group.size else 0
+        while len(group.parents) <= sub:
+            group.parents.append(new_session_id())
         return group.parents[sub], group.key
 
 
@@ -115,31 +188,39 @@ def leave(ticket: GroupKey) -> None:
             group.open -= 1
             if group.open <= 0:
                 del _groups[ticket]
+                _shape.ended(group.started, len(_groups))
 
 
 class Inferred:
     """One attempt's group, still to be read from its first request to a router (``trajectory()``
-    without ``group=``): decided once, by that request's prompt, then the same for every later request
-    of the attempt, and left as the attempt ends."""
+    without ``group=``, or any attempt under ``fleet``, whose K needs the router): decided once, by
+    that request's prompt (or the ``group=`` given), then the same for every later request of the
+    attempt, and left as the attempt ends."""
 
-    __slots__ = ("decided", "key", "parent", "policy")
+    __slots__ = ("decided", "given", "key", "parent", "policy", "withheld")
 
-    def __init__(self, policy: Siblings) -> None:
+    def __init__(self, policy: Siblings, given: Hashable | None = None) -> None:
         self.policy = policy
+        self.given = given  # the trajectory(group=...) key, which wins over the prompt's
         self.decided = False
+        self.withheld = False  # ``fleet`` chose to send this attempt without its session
         self.key: GroupKey | None = None  # the group joined, while the attempt is open in it
         self.parent: str | None = None
 
-    def decide(self, key: Hashable | None) -> str | None:
-        """The attempt's parent: joined under ``key`` (``None``: no group, no parent) by the first
-        request to decide, kept for every later one."""
+    def decide(self, key: Hashable | None, workers: int | None = None) -> str | None:
+        """The attempt's parent: joined under the given key or else ``key`` (``None``: no group, no
+        parent) by the first request to decide, kept for every later one; ``workers``: the router's
+        fleet size, for ``fleet``."""
         with _decide_lock:
             if not self.decided:
                 self.decided = True
+                key = self.given if self.given is not None else key
                 if key is not None:
-                    joined = join(key, self.policy)
+                    joined = join(key, self.policy, workers)
                     if joined is not None:
-                        self.parent, self.key = joined
+                        parent, self.key = joined
+                        self.withheld = parent == WITHHELD
+                        self.parent = None if self.withheld else parent
             return self.parent
 
     def release(self) -> None:
@@ -158,14 +239,22 @@ def _forget_in_child() -> None:
     """``os.register_at_fork`` hook, in a forked child: the groups it inherits are its parent's open
     attempts, which the child never ends, so a worker forked mid-attempt groups its own siblings afresh
     (kept, they would pair its first sibling with an ended one and never forget the group)."""
-    global _lock, _decide_lock
+    global _lock, _decide_lock, _shape
     _groups.clear()
+    _shape = _Shape()
     _lock = threading.Lock()  # other threads of the parent may have held them as it forked: the
     _decide_lock = threading.Lock()  # child has no such thread to release them
 
 
 if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def forget_shape() -> None:
+    """Forget the steps seen (``unconfigure()``): groups still open keep their K."""
+    global _shape
+    with _lock:
+        _shape = _Shape()
 
 
 def open_groups() -> int:

@@ -153,16 +153,18 @@ class trajectory(metaclass=_TrajectoryType):
         elif session == grandparent:
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
         settings = _settings.current
-        if parent is None and self._group is not None and settings is not None:
-            joined = _siblings.join(self._group, settings.siblings)  # an enclosing trajectory wins
+        policy = settings.siblings if settings is not None else _siblings.Siblings(None)
+        if parent is None and self._group is not None and settings is not None and not policy.fleet:
+            joined = _siblings.join(self._group, policy)  # an enclosing trajectory wins
             if joined is not None:
                 parent, self._joined = joined
         ctx = with_session(session, parent, current)
         if not reentered:  # a re-entered session is the same attempt: it keeps the group it has
-            inferred = None  # with no group given, its first request to a router names the group
-            policy = settings.siblings if settings is not None else _siblings.Siblings(None)
-            if parent is None and self._group is None and policy.size is not None:
-                inferred = _siblings.Inferred(policy)
+            # With no group given (or under ``fleet``, whose K needs the router), the attempt's first
+            # request to a router decides its group and parent.
+            inferred = None
+            if parent is None and policy.size is not None and (self._group is None or policy.fleet):
+                inferred = _siblings.Inferred(policy, self._group)
             if inferred is not None or current.get(SIBLINGS_KEY) is not None:
                 ctx = otel_context.set_value(SIBLINGS_KEY, inferred, ctx)
             self._inferred = inferred

@@ -54,6 +54,7 @@ class Recorder(Served):
     fail_next: deque[int] = field(default_factory=deque)
     redirect_to: str | None = None
     tls: tuple[str, str] | None = None  # (certificate file, key file): serve https
+    instances: int = 0  # workers its /health lists, as a Dynamo frontend's does (0: no list)
     _served: AsgiServer | None = None
 
     @property
@@ -73,6 +74,9 @@ class Recorder(Served):
         )
         if self.fail_next:
             return JSONResponse({"error": "injected failure"}, status_code=self.fail_next.popleft())
+        if request.url.path == "/health" and self.instances:
+            listed = [{"endpoint": "generate", "instance_id": 7000 + i} for i in range(self.instances)]
+            return JSONResponse({"status": "healthy", "instances": listed})
         if request.url.path.startswith("/r/") and self.redirect_to:
             return RedirectResponse(self.redirect_to + request.url.path[2:], status_code=307)
         if request.url.path.endswith("/chat/completions"):

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import otel_session
-from otel_session import SESSION_HEADER, trajectory
+from otel_session import SESSION_HEADER, _fleet, trajectory
 from otel_session.dynamo import NVEXT_EXTRA_BODY, _checks, worker_id_of
 from otel_session.dynamo._library_log import no_session_on_purpose
 from otel_session.dynamo.sizing import (
@@ -267,11 +267,6 @@ def _workers(base_url: str) -> int | None:
 
     try:
         health = httpx2.get(base_url.rstrip("/").removesuffix("/v1") + "/health", timeout=10).json()
-        instances = {
-            i.get("instance_id")
-            for i in health.get("instances", [])
-            if isinstance(i, dict) and i.get("endpoint") == "generate"
-        }
     except Exception:  # an old frontend or a proxy without /health: advise without the fleet's size
-        instances = set()
-    return len(instances) or None
+        return None
+    return _fleet.workers_in(health) or None

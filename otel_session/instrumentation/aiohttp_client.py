@@ -87,15 +87,15 @@ def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
 _Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
 
 
-def _decided(offered: _hop.Offered, instance: Any) -> _hop.Offered:
+def _decided(offered: _hop.Offered, instance: Any, destination: _hop.Destination) -> _hop.Offered:
     """What the context offers once this request, an attempt's first to a router, decided the
     attempt's group from the prompt in its body: one held in memory (``json=``, ``data=`` bytes or
     text) is read; a stream, a file or a form never is, and names no group."""
     body = instance.body
     if isinstance(body, (bytes, bytearray)):
-        return offered.decide(body)
+        return offered.decide(body, destination)
     value = getattr(body, "_value", None) if isinstance(body, _BYTES_PAYLOADS) else None
-    return offered.decide(value if isinstance(value, (bytes, bytearray)) else None)
+    return offered.decide(value if isinstance(value, (bytes, bytearray)) else None, destination)
 
 
 def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Planned | None:
@@ -120,9 +120,10 @@ def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _P
             if _over_unix_socket(args, kwargs):
                 plan = offered.plan("unix", None, None)
             else:
-                plan = offered.plan(url.scheme, url.raw_host, url.port)
+                destination = (url.scheme, url.raw_host, url.port)
+                plan = offered.plan(*destination)
                 if offered.undecided is not None and plan.route.profile is not None:
-                    plan = _decided(offered, instance).plan(url.scheme, url.raw_host, url.port)
+                    plan = _decided(offered, instance, destination).plan(*destination)
             # aiohttp's own instrumentation injects before this, with no destination: under a stock
             # propagator composed with ours, what it copied is taken back here, where the hop is known.
             sole = _propagator.is_sole_global()

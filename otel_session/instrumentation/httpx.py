@@ -194,7 +194,7 @@ def _decided(offered: _hop.Offered, request: Any, destination: _hop.Destination)
         body = request.content  # httpx's own check: a body not read in full (a stream) raises
     except Exception:
         body = None
-    return offered.decide(body if isinstance(body, (bytes, bytearray)) else None)
+    return offered.decide(body if isinstance(body, (bytes, bytearray)) else None, destination)
 
 
 def _at_transport(transport: Any, request: Any) -> Any:

@@ -25,6 +25,7 @@ from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor,
 
 _NOTHING: dict[str, str] = {}
 _DEFAULT_PORT = {"http": 80, "https": 443}
+_BODY = 2  # urlopen(method, url, body, headers, ...)
 _HEADERS = 3  # urlopen(method, url, body, headers, ...): where urllib3 passes headers by position
 # urlopen calls of ours under way on this thread: (pool, the caller's headers, the names our copy edited)
 _sending = threading.local()
@@ -147,7 +148,12 @@ def _planned(
     back; ``None``: sent as it was called."""
     url, headers = _called(args, kwargs)
     callers = _callers_again(pool, headers)
-    plan = offered.plan(*_destination(pool, url))
+    destination = _destination(pool, url)
+    plan = offered.plan(*destination)
+    if offered.undecided is not None and plan.route.profile is not None:  # its group still to read
+        body = args[_BODY] if len(args) > _BODY else kwargs.get("body")  # requests' json= is bytes here
+        offered = offered.decide(body if isinstance(body, (bytes, bytearray, str)) else None, destination)
+        plan = offered.plan(*destination)
     base = callers if callers is not None else pool.headers
     held = _held(base, plan)
     if held:

@@ -1,0 +1,118 @@
+"""How many workers a Dynamo router places sessions on, read from its frontend's ``/health``.
+
+``OTEL_SESSION_SIBLINGS=fleet`` sizes sibling groups to the fleet (``_siblings``), so it needs the
+fleet's size without asking the user for it. A Dynamo frontend's ``/health`` lists the instances
+registered behind it (the same list ``otel-session doctor`` reads); one bounded GET per router, in a
+thread of its own so no request waits on it, and read again after ``REREAD`` seconds (workers come
+and go). Until the first answer the size is unknown; a router that has no such list is ``UNREADABLE``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from otel_session import _faults
+from otel_session._bounded_http import Peer
+
+Origin = tuple[str, str, "int | None"]  # (scheme, host, port) as the client dials the router
+
+UNREADABLE = 0  # the router's /health gives no instances: its fleet size cannot be known here
+DEADLINE = 5.0  # seconds for one look-up of /health, connect to the last byte
+CAP = 4 * 1024 * 1024  # bytes of /health read at most (a 4,096-worker fleet is about 1 MiB)
+REREAD = 60.0  # seconds before a router's size is read again
+ORIGINS_KEPT = 64
+
+_sizes: dict[Origin, tuple[int, float]] = {}  # origin -> (workers or UNREADABLE, when read)
+_reading: set[Origin] = set()
+_warned: set[Origin] = set()
+_lock = threading.Lock()
+
+
+def workers_in(health: object) -> int:
+    """Distinct instances serving ``generate`` in a ``/health`` document (0: none listed)."""
+    found = health.get("instances") if isinstance(health, Mapping) else None
+    if not isinstance(found, list):
+        return 0
+    ids = {
+        str(item.get("instance_id"))
+        for item in found
+        if isinstance(item, Mapping)
+        and item.get("endpoint") == "generate"
+        and item.get("instance_id") is not None
+    }
+    return len(ids)
+
+
+def size_at(origin: Origin) -> int | None:
+    """The router's fleet size as last read (``UNREADABLE`` if it has none; ``None`` while still
+    unknown), starting a read in the background where none is fresh."""
+    now = time.monotonic()
+    with _lock:
+        known = _sizes.get(origin)
+        stale = known is None or now - known[1] >= REREAD
+        if stale and origin not in _reading:
+            _reading.add(origin)
+            start = True
+        else:
+            start = False
+    if start:
+        try:
+            threading.Thread(target=_read, args=(origin,), name="otel-session-fleet", daemon=True).start()
+        except Exception as exc:  # no thread to be had (interpreter shutting down): read again later
+            with _lock:
+                _reading.discard(origin)
+            _faults.report("starting the read of a router's fleet size", exc)
+    return known[0] if known is not None else None
+
+
+def _read(origin: Origin) -> None:
+    scheme, host, port = origin
+    workers = UNREADABLE
+    reason = ""
+    try:
+        body = Peer(scheme, host, port, time.monotonic() + DEADLINE).request(
+            "GET", "/health", None, {"Accept": "application/json"}, CAP
+        )
+        workers = workers_in(json.loads(body))
+        reason = "it lists no instance serving generate"
+    except Exception as exc:  # no /health, not JSON, too slow: the size stays unknown, said once
+        reason = f"{type(exc).__name__}: {exc}"[:200]
+    with _lock:
+        if len(_sizes) >= ORIGINS_KEPT and origin not in _sizes:
+            _sizes.clear()
+        _sizes[origin] = (workers, time.monotonic())
+        _reading.discard(origin)
+        tell = workers == UNREADABLE and origin not in _warned
+        if tell:
+            _warned.add(origin)
+    if tell:
+        _faults.warn(
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet cannot read how many workers the router at %s "
+            "has from its /health (%s), so siblings there are keyed as groups:2, the default; set "
+            "OTEL_SESSION_SIBLINGS=groups:K as `otel-session doctor` sizes it",
+            _shown(origin),
+            reason,
+        )
+
+
+def _shown(origin: Origin) -> str:
+    scheme, host, port = origin
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}" + (f":{port}" if port is not None else "")
+
+
+def forget() -> None:
+    """Forget every size read (``unconfigure()``): the next configuration may name other routers."""
+    with _lock:
+        _sizes.clear()
+        _warned.clear()
+
+
+def known() -> dict[str, Any]:
+    """The sizes read so far, by router (for ``doctor`` and tests)."""
+    with _lock:
+        return {_shown(origin): workers for origin, (workers, _) in _sizes.items()}

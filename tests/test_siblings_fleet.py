@@ -1,0 +1,280 @@
+"""``OTEL_SESSION_SIBLINGS=fleet`` (issue 33, item 4): K chosen at run time, one group of siblings per
+worker, from the router's ``/health`` and the last step's shape; the first step, before any shape is
+known, goes without the session (the router places it as it would without otel-session). Over
+loopback to a recording server that lists its workers in ``/health`` as a Dynamo frontend does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import aiohttp
+import httpx
+import pytest
+
+import otel_session
+from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _fleet, _siblings
+from otel_session._siblings import Siblings, open_groups
+from tests import support
+from tests.recorder import Recorder
+
+
+def _step(
+    dynamo: Recorder, prompts: int, siblings: int, *, group: bool = True, client: str = "httpx"
+) -> None:
+    """``prompts`` x ``siblings`` attempts at once, two chat turns each (the first turn's prompt is
+    the prompt's: siblings share it)."""
+
+    async def attempt(prompt: int, sibling: int) -> None:
+        key = f"prompt-{prompt}" if group else None
+        body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+        url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+        async with otel_session.trajectory(group=key):
+            if client == "httpx":
+                async with httpx.AsyncClient() as http:
+                    for _ in range(2):
+                        await http.post(url, json=body, timeout=10)
+            else:
+                async with aiohttp.ClientSession() as http:
+                    for _ in range(2):
+                        async with http.post(url, json=body) as answer:
+                            await answer.read()
+
+    async def run() -> None:
+        await asyncio.gather(*(attempt(p, s) for p in range(prompts) for s in range(siblings)))
+
+    asyncio.run(run())
+
+
+def _attempts(dynamo: Recorder) -> dict[tuple[str, str], tuple[str | None, str | None]]:
+    """(prompt, sibling) -> (session, parent) its requests carried, the same on every turn."""
+    carried: dict[tuple[str, str], set[tuple[str | None, str | None]]] = {}
+    for seen in dynamo.requests:
+        if seen.path == "/health":
+            continue
+        _, prompt, sibling = seen.path.split("/")[:3]
+        carried.setdefault((prompt, sibling), set()).add(
+            (seen.get(SESSION_HEADER), seen.get(PARENT_SESSION_HEADER))
+        )
+    assert all(len(both) == 1 for both in carried.values()), carried
+    return {key: next(iter(both)) for key, both in carried.items()}
+
+
+def _wait_for_size(dynamo: Recorder) -> None:
+    deadline = time.monotonic() + 10
+    while not _fleet.known() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _fleet.known(), "the router's /health was never read"
+
+
+def test_fleet_is_spelled_and_shown() -> None:
+    policy = Siblings.parse(" Fleet ")
+    assert policy.fleet and str(policy) == "fleet" and not Siblings.parse("groups:2").fleet
+
+
+@pytest.mark.parametrize(
+    ("workers", "prompts", "siblings", "size"),
+    [
+        (32, 16, 8, 4),  # doctor's rule: one group per worker, ceil(8 / (32 // 16))
+        (64, 8, 16, 2),  # ceil(16 / 8)
+        (8, 16, 8, 8),  # more groups than workers: all siblings of a prompt under one parent
+        (1024, 4, 8, 1),  # a worker for every sibling: each alone
+        (33, 16, 8, 4),  # 33 // 16 = 2
+        (32, 12, 5, 3),  # ceil(5 / (32 // 12 = 2))
+    ],
+)
+def test_k_follows_doctors_rule_from_the_last_step(
+    workers: int, prompts: int, siblings: int, size: int
+) -> None:
+    policy = Siblings.parse("fleet")
+    tickets = [
+        _siblings.join((p, "step-1"), policy, workers) for p in range(prompts) for _ in range(siblings)
+    ]
+    assert all(ticket is not None and ticket[0] == _siblings.WITHHELD for ticket in tickets)  # no step seen
+    for ticket in tickets:
+        assert ticket is not None
+        _siblings.leave(ticket[1])
+    assert open_groups() == 0
+    assert _siblings.fleet_size_of(workers) == size
+    assert _siblings.fleet_size_of(None) is None  # the fleet's size not read yet: withheld
+    assert _siblings.fleet_size_of(_siblings.UNREADABLE) == 2  # no /health: the default's K
+    _siblings.forget_shape()
+    assert _siblings.fleet_size_of(workers) is None
+
+
+def test_the_first_step_goes_without_the_session_and_the_next_is_grouped_per_worker(
+    dynamo: Recorder, gym: Recorder
+) -> None:
+    dynamo.instances = 32
+    otel_session.configure(dynamo_hosts=[dynamo.url], trusted_hosts=[gym.url], siblings="fleet")
+    before = support.metric_points()
+    _step(dynamo, prompts=16, siblings=8)
+    first = _attempts(dynamo)
+    assert len(first) == 128 and set(first.values()) == {(None, None)}  # kv routing alone places them
+    with otel_session.trajectory() as attempt:  # the session still exists: trusted hosts get it
+        httpx.get(f"{gym.url}/episode", timeout=10)
+    assert attempt.session_id is not None and attempt.session_id in (gym.requests[0].get("baggage") or "")
+    _wait_for_size(dynamo)
+    assert [seen.get(SESSION_HEADER) for seen in dynamo.requests if seen.path == "/health"] == [None]
+    dynamo.clear()
+    _step(dynamo, prompts=16, siblings=8)
+    second = _attempts(dynamo)
+    sessions = [session for session, _ in second.values()]
+    assert len(set(sessions)) == 128 and None not in sessions
+    for prompt in {p for p, _ in second}:
+        parents = Counter(parent for (p, _), (_, parent) in second.items() if p == prompt)
+        assert sorted(parents.values()) == [4, 4] and None not in parents  # 32 workers, 16 x 8: K = 4
+    assert open_groups() == 0
+    assert (
+        support.metric_delta(
+            before, "otel_session.sibling_choices", otel_session__siblings__choice="withheld"
+        )
+        == 128
+    )
+    assert (
+        support.metric_delta(before, "otel_session.sibling_choices", otel_session__siblings__choice="grouped")
+        == 128
+    )
+
+
+def test_siblings_found_by_prompt_are_sized_the_same_through_aiohttp(dynamo: Recorder) -> None:
+    dynamo.instances = 16
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    _step(dynamo, prompts=4, siblings=8, group=False, client="aiohttp")
+    _wait_for_size(dynamo)
+    dynamo.clear()
+    _step(dynamo, prompts=4, siblings=8, group=False, client="aiohttp")
+    second = _attempts(dynamo)
+    for prompt in {p for p, _ in second}:
+        parents = Counter(parent for (p, _), (_, parent) in second.items() if p == prompt)
+        assert sorted(parents.values()) == [2, 2, 2, 2]  # 16 workers, 4 prompts: 4 groups of 2 each
+
+
+def test_a_fleet_as_large_as_the_step_sends_each_sibling_alone(dynamo: Recorder) -> None:
+    dynamo.instances = 64
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    _step(dynamo, prompts=4, siblings=4)
+    _wait_for_size(dynamo)
+    dynamo.clear()
+    _step(dynamo, prompts=4, siblings=4)
+    second = _attempts(dynamo)
+    assert {parent for _, parent in second.values()} == {None}
+    assert len({session for session, _ in second.values()}) == 16
+
+
+def test_a_router_without_a_fleet_list_is_one_line_and_the_default(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=2, siblings=4)
+        _wait_for_size(dynamo)
+        _step(dynamo, prompts=2, siblings=4)
+        dynamo.clear()
+        _step(dynamo, prompts=2, siblings=4)
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "/health" in r.getMessage() and "cannot read" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "groups:2" in lines[0] and dynamo.url in lines[0]
+    attempts = _attempts(dynamo)
+    assert None not in {session for session, _ in attempts.values()}
+    per_parent = Counter(parent for _, parent in attempts.values())
+    assert set(per_parent.values()) == {2}
+
+
+def test_a_router_that_takes_no_parent_always_gets_the_session(gym: Recorder) -> None:
+    otel_session.configure(routers={"vllm-router": [gym.url]}, siblings="fleet")
+    _step(gym, prompts=2, siblings=4)
+    attempts = _attempts(gym)
+    assert len(attempts) == 8
+    sessions = {seen.get("X-Session-ID") for seen in gym.requests}
+    assert None not in sessions and len(sessions) == 8
+    assert not [seen for seen in gym.requests if seen.path == "/health"]  # no fleet size asked for
+
+
+def test_unconfigure_forgets_the_steps_seen(dynamo: Recorder) -> None:
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    _step(dynamo, prompts=2, siblings=2)
+    _wait_for_size(dynamo)
+    otel_session.unconfigure()
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    dynamo.clear()
+    _step(dynamo, prompts=2, siblings=2)
+    assert {session for session, _ in _attempts(dynamo).values()} == {None}
+
+
+def test_an_attempt_keeps_its_choice_for_every_turn(dynamo: Recorder) -> None:
+    """One attempt's turns never mix pinned and unpinned: the choice is made at its first request."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    with otel_session.trajectory(group="g"):
+        httpx.post(f"{dynamo.url}/a/0/v1/chat/completions", json={"messages": []}, timeout=10)
+        _wait_for_size(dynamo)
+        httpx.post(f"{dynamo.url}/a/0/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert _attempts(dynamo) == {("a", "0"): (None, None)}
+    dynamo.clear()
+    with otel_session.trajectory(group="g"):
+        for _ in range(3):
+            httpx.post(f"{dynamo.url}/b/0/v1/chat/completions", json={"messages": []}, timeout=10)
+    ((session, parent),) = _attempts(dynamo).values()
+    assert session is not None and parent is None  # one sibling on a 4-worker fleet: alone
+
+
+def test_turns_of_a_withheld_attempt_are_no_evidence_about_affinity(dynamo: Recorder) -> None:
+    """A withheld attempt's turns land wherever the router alone puts them: that they switch workers
+    must not read as affinity failing (the first real run printed "not holding" for them)."""
+    from otel_session import _evidence
+
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    host, port = dynamo.host, dynamo.port
+    with otel_session.trajectory(group="g"):
+        httpx.post(f"{dynamo.url}/a/0/v1/chat/completions", json={"messages": []}, timeout=10)
+        for turn in range(12):
+            answer = {
+                "usage": {"prompt_tokens": 100 * (turn + 1), "prompt_tokens_details": {"cached_tokens": 0}},
+                "nvext": {"worker_id": {"decode_worker_id": turn}},
+            }
+            _evidence.parsed(answer, "http", host, port)
+    assert _attempts(dynamo) == {("a", "0"): (None, None)}
+    assert _evidence.summaries() == {}
+
+
+def test_requests_attempts_are_decided_at_their_first_request_too(dynamo: Recorder) -> None:
+    """Through requests (urllib3 beneath): the first step is withheld, the next grouped by prompt."""
+    import threading
+
+    import requests
+
+    dynamo.instances = 2
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+
+    def step() -> None:
+        barrier = threading.Barrier(4)
+
+        def attempt(sibling: int) -> None:
+            with otel_session.trajectory():
+                barrier.wait(timeout=10)  # all four open at once, as a step's siblings are
+                body = {"model": "m", "messages": [{"role": "user", "content": "same task"}]}
+                for _ in range(2):
+                    requests.post(f"{dynamo.url}/p0/s{sibling}/v1/chat/completions", json=body, timeout=10)
+                barrier.wait(timeout=10)
+
+        threads = [threading.Thread(target=attempt, args=(s,)) for s in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+
+    step()
+    assert set(_attempts(dynamo).values()) == {(None, None)}
+    _wait_for_size(dynamo)
+    dynamo.clear()
+    step()
+    parents = Counter(parent for _, parent in _attempts(dynamo).values())
+    assert sorted(parents.values()) == [2, 2] and None not in parents  # 1 group of 4, 2 workers: K = 2
