@@ -133,7 +133,7 @@ ARMS: dict[str, Arm] = {
         Arm("rr", "round-robin", "none"),
         Arm("kv", "kv", "none"),
         Arm("kv+header/off", "kv", "default", affinity_ttl=None),
-        Arm("kv+default", "kv", "default"),
+        Arm("kv+default", "kv", "default"),  # the library's default: auto (groups:2 until sized)
         Arm("kv+default/nogroup", "kv", "default", name_group=False),
         Arm("kv+attempt", "kv", "attempt"),
         Arm("kv+prompt", "kv", "prompt"),
@@ -210,8 +210,14 @@ def siblings_of(keying: str, cell: Cell) -> str | None:
     return None if keying == "default" else keying
 
 
-def group_size(setting: str, cell: Cell) -> int | None:
-    """Siblings under one parent for a siblings setting as the library spells it (``None``: none)."""
+def group_size(setting: str, cell: Cell, step: int = 0) -> int | None:
+    """Siblings under one parent for a siblings setting as the library spells it (``None``: none).
+    ``auto`` and ``fleet`` size K from the step before (each step of a run has the cell's shape): in
+    the first, ``auto`` pairs siblings and ``fleet`` sends no session."""
+    if setting in ("auto", "fleet"):
+        if step == 0:
+            return 2 if setting == "auto" else None
+        setting = siblings_setting(cell.workers, cell.prompts, cell.siblings)
     if setting == "prompt":
         return cell.siblings
     if setting.startswith("groups:"):
@@ -326,7 +332,7 @@ def _row(
     step: int,
     steps: int,
 ) -> dict[str, Any]:
-    size = group_size(setting, cell)
+    size = group_size(setting, cell, step)
     shape = {k: v for k, v in asdict(workload).items() if k not in ("prompts", "siblings", "seed")}
     return {
         **asdict(cell),

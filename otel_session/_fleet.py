@@ -1,7 +1,7 @@
 """How many workers a Dynamo router places sessions on, read from its frontend's ``/health``.
 
-``OTEL_SESSION_SIBLINGS=fleet`` sizes sibling groups to the fleet (``_siblings``), so it needs the
-fleet's size without asking the user for it. A Dynamo frontend's ``/health`` lists the instances
+Sibling groups are sized to the fleet (``_siblings``: ``auto``, the default, and ``fleet``), so the
+fleet's size is needed without asking the user for it. A Dynamo frontend's ``/health`` lists the instances
 registered behind it (the same list ``otel-session doctor`` reads); one bounded GET per router, in a
 thread of its own so no request waits on it, and read again after ``REREAD`` seconds (workers come
 and go). Until the first answer the size is unknown; a router that has no such list is ``UNREADABLE``.
@@ -47,9 +47,10 @@ def workers_in(health: object) -> int:
     return len(ids)
 
 
-def size_at(origin: Origin) -> int | None:
+def size_at(origin: Origin, tell: bool = True) -> int | None:
     """The router's fleet size as last read (``UNREADABLE`` if it has none; ``None`` while still
-    unknown), starting a read in the background where none is fresh."""
+    unknown), starting a read in the background where none is fresh; ``tell``: a router that lists
+    no workers is said once (``fleet``; the default keys siblings two by two there, as it always did)."""
     now = time.monotonic()
     with _lock:
         known = _sizes.get(origin)
@@ -61,7 +62,9 @@ def size_at(origin: Origin) -> int | None:
             start = False
     if start:
         try:
-            threading.Thread(target=_read, args=(origin,), name="otel-session-fleet", daemon=True).start()
+            threading.Thread(
+                target=_read, args=(origin, tell), name="otel-session-fleet", daemon=True
+            ).start()
         except Exception as exc:  # no thread to be had (interpreter shutting down): read again later
             with _lock:
                 _reading.discard(origin)
@@ -69,7 +72,7 @@ def size_at(origin: Origin) -> int | None:
     return known[0] if known is not None else None
 
 
-def _read(origin: Origin) -> None:
+def _read(origin: Origin, loud: bool) -> None:
     scheme, host, port = origin
     workers = UNREADABLE
     reason = ""
@@ -86,13 +89,13 @@ def _read(origin: Origin) -> None:
             _sizes.clear()
         _sizes[origin] = (workers, time.monotonic())
         _reading.discard(origin)
-        tell = workers == UNREADABLE and origin not in _warned
+        tell = loud and workers == UNREADABLE and origin not in _warned
         if tell:
             _warned.add(origin)
     if tell:
         _faults.warn(
-            "otel-session: OTEL_SESSION_SIBLINGS=fleet cannot read how many workers the router at %s "
-            "has from its /health (%s), so siblings there are keyed as groups:2, the default; set "
+            "otel-session: sibling groups cannot be sized to the fleet of the router at %s: its /health "
+            "lists no workers (%s), so siblings there share a parent two by two (groups:2); set "
             "OTEL_SESSION_SIBLINGS=groups:K as `otel-session doctor` sizes it",
             _shown(origin),
             reason,

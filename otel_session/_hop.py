@@ -143,15 +143,15 @@ class Offered:
         if holder is None:
             return self
         workers = None
-        if holder.policy.fleet:  # K from the router's fleet size: a router given no parent needs none
+        if holder.policy.sized:  # K from the router's fleet size: a router given no parent needs none
             profile = self.plan(*destination).route.profile
             scheme, host, port = destination
             if profile is None or profile.parent_header is None or not host:
                 workers = _siblings.UNREADABLE
-            else:
-                workers = _fleet.size_at((scheme, host, port))
+            elif _siblings.needs_fleet_size(holder.policy):
+                workers = _fleet.size_at((scheme, host, port), holder.policy.withholds)
         parent = holder.decide(_prompts.key_of(body), workers)
-        if holder.policy.fleet:
+        if holder.policy.sized:
             _chose(holder, workers)
         return self.decided(parent, holder.withheld)
 
@@ -198,31 +198,42 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
     return Offer(session, parent, baggage.get_all(ctx), _passed_on(trace.get_current_span(ctx), tracing))
 
 
-_chosen: set[str] = set()
+_said: list[int | None] = []  # the last K said, so a line is printed again only when K changes
 
 
 def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
-    """``fleet`` decided an attempt: the choice counted, and said once per kind of choice."""
-    if holder.key is None:
-        return  # no group read (a streamed body): the attempt goes alone, pinned as the others
-    choice = "withheld" if holder.withheld else "alone" if holder.parent is None else "grouped"
+    """``auto`` or ``fleet`` decided an attempt: the choice counted, and said where it is new (a K
+    sized to the fleet, or the session withheld); the default's K before sizing is said nowhere."""
+    ticket = holder.key
+    if ticket is None:
+        return  # no group read (a streamed body): the attempt goes alone, as under any policy
+    choice = "withheld" if holder.withheld else "sized" if ticket.sized else "default"
     if _metrics.recording():
-        _metrics.count(_metrics.sibling_choices, 1, {"otel_session.siblings.choice": choice})
-    if choice in _chosen:
+        attributes: dict[str, object] = {"otel_session.siblings.choice": choice}
+        if ticket.size is not None:
+            attributes["otel_session.siblings.size"] = ticket.size
+        _metrics.count(_metrics.sibling_choices, 1, attributes)
+    if choice == "default" or (_said and _said[-1] == ticket.size):
         return
-    _chosen.add(choice)
-    if holder.withheld and workers is None:
-        why = "the router's fleet size is still being read from its /health"
-    elif holder.withheld:
-        why = "no step has ended here yet to size groups by"
-    else:
-        why = f"sized to the fleet ({workers} workers) and the last step's groups"
-    what = {
-        "withheld": "goes without its session, placed by the router alone (as without otel-session)",
-        "alone": "goes under its own session, no parent (one sibling per worker)",
-        "grouped": "goes with its siblings under a shared parent session",
-    }[choice]
-    _faults.warn("otel-session: OTEL_SESSION_SIBLINGS=fleet: an attempt %s: %s (said once)", what, why)
+    _said[:] = [ticket.size]
+    if choice == "withheld":
+        why = "its /health is still being read" if workers is None else "no step has ended here yet"
+        _faults.warn(
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session until it "
+            "can size sibling groups to the router's fleet (%s): the router places them as it would "
+            "without otel-session",
+            why,
+        )
+        return
+    groups, siblings = _siblings.last_shape()
+    _faults.warn(
+        "otel-session: siblings sized to the fleet: %s (%d workers; the last step had %d groups of up "
+        "to %d siblings open at once: one group per worker)",
+        "each alone under its own session" if ticket.size == 1 else f"{ticket.size} per parent session",
+        workers or 0,
+        groups,
+        siblings,
+    )
 
 
 def sends_session(ctx: Context, session: str) -> bool:

@@ -27,7 +27,8 @@ from otel_session import _faults
 from otel_session._ids import new_session_id
 
 ENV_SIBLINGS = "OTEL_SESSION_SIBLINGS"
-FLEET = -1  # ``Siblings.size`` of ``fleet``: K chosen at run time
+FLEET = -1  # ``Siblings.size`` of ``fleet``: K chosen at run time, the session withheld until then
+AUTO = -2  # ... of ``auto``: K chosen at run time, the default's K until then
 WITHHELD = ""  # the parent ``join`` gives an attempt of ``fleet`` sent without its session
 UNREADABLE = 0  # a fleet size that cannot be known (``_fleet.UNREADABLE``): the default's K
 
@@ -35,14 +36,14 @@ UNREADABLE = 0  # a fleet size that cannot be known (``_fleet.UNREADABLE``): the
 @dataclass(frozen=True)
 class Siblings:
     """How attempts of one group are keyed: ``size`` siblings under each parent; ``None``: none
-    under a parent (``attempt``); ``0``: all of them under one (``prompt``); ``FLEET``: sized at
-    run time (``fleet``)."""
+    under a parent (``attempt``); ``0``: all of them under one (``prompt``); ``AUTO`` and ``FLEET``:
+    sized at run time (``auto``, ``fleet``)."""
 
     size: int | None
 
     @classmethod
     def parse(cls, text: str) -> Siblings:
-        """``attempt``, ``prompt``, ``fleet`` or ``groups:K`` (K a whole number from 1), else ValueError."""
+        """``attempt``, ``prompt``, ``auto``, ``fleet`` or ``groups:K`` (K from 1), else ValueError."""
         value = text.strip().lower()
         if value == "attempt":
             return cls(None)
@@ -50,26 +51,35 @@ class Siblings:
             return cls(0)
         if value == "fleet":
             return cls(FLEET)
+        if value == "auto":
+            return cls(AUTO)
         kind, sep, size = value.partition(":")
         if kind == "groups" and sep and size.isdigit() and 1 <= int(size) <= 4096:
             return cls(int(size))
         raise ValueError(
-            f"{text!r} is not attempt, prompt, fleet or groups:K (K from 1 to 4096, e.g. groups:2)"
+            f"{text!r} is not attempt, prompt, auto, fleet or groups:K (K from 1 to 4096, e.g. groups:2)"
         )
 
     @property
-    def fleet(self) -> bool:
-        """Whether K is chosen at run time (``fleet``)."""
+    def sized(self) -> bool:
+        """Whether K is chosen at run time (``auto``, ``fleet``)."""
+        return self.size in (AUTO, FLEET)
+
+    @property
+    def withholds(self) -> bool:
+        """Whether the session is withheld while K cannot be chosen yet (``fleet``)."""
         return self.size == FLEET
 
     def __str__(self) -> str:
         if self.size is None:
             return "attempt"
-        return "prompt" if self.size == 0 else "fleet" if self.size == FLEET else f"groups:{self.size}"
+        names = {0: "prompt", FLEET: "fleet", AUTO: "auto"}
+        return names.get(self.size, f"groups:{self.size}")
 
 
-# The default, chosen from the fleet measurements (docs/performance.md, "At fleet scale").
-DEFAULT = Siblings(2)
+GROUPS_DEFAULT = 2  # K where it cannot be sized yet: the measured middle (docs/performance.md)
+# The default: sized to the fleet from the second step (docs/performance.md, "Step time").
+DEFAULT = Siblings(AUTO)
 
 
 class GroupKey:
@@ -78,11 +88,13 @@ class GroupKey:
     application changes while the attempt runs, or whose ``__hash__`` raises later, would otherwise
     stay in ``_groups`` for good)."""
 
-    __slots__ = ("hash", "key")
+    __slots__ = ("hash", "key", "size", "sized")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
         self.hash = hash(key)
+        self.size: int | None = None  # the K its group was given (``None``: the session withheld)
+        self.sized = False  # ... chosen from the fleet's size and the last step's shape
 
     def __hash__(self) -> int:
         return self.hash
@@ -92,11 +104,10 @@ class GroupKey:
 
 
 class _Group:
-    __slots__ = ("key", "open", "parents", "size", "started")
+    __slots__ = ("key", "open", "parents", "started")
 
-    def __init__(self, key: GroupKey, size: int | None) -> None:
-        self.key = key  # as the group's first attempt joined: every attempt leaves with this one
-        self.size = size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
+    def __init__(self, key: GroupKey) -> None:
+        self.key = key  # as the group's first attempt joined (with its K): every attempt leaves with it
         self.started = 0  # attempts of the group opened while it was known
         self.open = 0  # attempts of the group open now
         self.parents: list[str] = []  # one per sub-group, minted as the sub-group opens
@@ -135,19 +146,38 @@ class _Shape:
 _shape = _Shape()
 
 
-def fleet_size_of(workers: int | None) -> int | None:
-    """Siblings per parent under ``fleet`` for a fleet of ``workers`` (``None``: not known yet, or
-    no step seen: withheld; ``UNREADABLE``: the default's K), one group per worker as ``otel-session
-    doctor`` sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once."""
-    if workers is None:
-        return None
+def fleet_size_of(workers: int | None, withhold: bool = True) -> int | None:
+    """K for a fleet of ``workers`` as ``join`` would choose it now (see ``_fleet_size``)."""
+    return _fleet_size(workers, withhold)[0]
+
+
+def _fleet_size(workers: int | None, withhold: bool) -> tuple[int | None, bool]:
+    """Siblings per parent for a fleet of ``workers``, one group per worker as ``otel-session doctor``
+    sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once in the last step;
+    and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
+    seen): ``None`` (withheld) if ``withhold``, else the default's K, as where the router lists no
+    workers (``UNREADABLE``)."""
     if workers == UNREADABLE:
-        return DEFAULT.size
+        return GROUPS_DEFAULT, False
     shape = _shape.groups_siblings()
-    if shape is None:
-        return None
+    if workers is None or shape is None:
+        return (None if withhold else GROUPS_DEFAULT), False
     groups, siblings = shape
-    return max(1, math.ceil(siblings / max(1, workers // groups)))
+    return max(1, math.ceil(siblings / max(1, workers // groups))), True
+
+
+def last_shape() -> tuple[int, int]:
+    """(groups open at once, siblings per group) as ``fleet`` sizes by now; (0, 0) before a step."""
+    return _shape.groups_siblings() or (0, 0)
+
+
+def needs_fleet_size(policy: Siblings) -> bool:
+    """Whether deciding an attempt under ``policy`` needs its router's fleet size: always under
+    ``fleet``; under ``auto`` once a step with siblings was seen (a run without siblings never asks)."""
+    if policy.withholds:
+        return True
+    shape = _shape.groups_siblings()
+    return policy.sized and shape is not None and shape[1] > 1
 
 
 def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[str | None, GroupKey] | None:
@@ -162,19 +192,22 @@ def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[s
             ticket = GroupKey(key)
             group = _groups.get(ticket)
             if group is None:
-                size = fleet_size_of(workers) if policy.fleet else policy.size
-                group = _groups[ticket] = _Group(ticket, size)
+                ticket.size, ticket.sized = (
+                    _fleet_size(workers, policy.withholds) if policy.sized else (policy.size, False)
+                )
+                group = _groups[ticket] = _Group(ticket)
                 _shape.opened(len(_groups))
         except Exception as exc:
             _faults.report("comparing a trajectory(group=...) key", exc)
             return None
         group.started += 1
         group.open += 1
-        if group.size is None:
+        size = group.key.size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
+        if size is None:
             return WITHHELD, group.key
-        if group.size == 1 and policy.fleet:
+        if size == 1 and policy.sized:
             return None, group.key
-        sub = (group.started - 1) // group.size if group.size else 0
+        sub = (group.started - 1) // size if size else 0
         while len(group.parents) <= sub:
             group.parents.append(new_session_id())
         return group.parents[sub], group.key

@@ -154,7 +154,7 @@ class trajectory(metaclass=_TrajectoryType):
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
         settings = _settings.current
         policy = settings.siblings if settings is not None else _siblings.Siblings(None)
-        if parent is None and self._group is not None and settings is not None and not policy.fleet:
+        if parent is None and self._group is not None and settings is not None and not policy.sized:
             joined = _siblings.join(self._group, policy)  # an enclosing trajectory wins
             if joined is not None:
                 parent, self._joined = joined
@@ -163,7 +163,7 @@ class trajectory(metaclass=_TrajectoryType):
             # With no group given (or under ``fleet``, whose K needs the router), the attempt's first
             # request to a router decides its group and parent.
             inferred = None
-            if parent is None and policy.size is not None and (self._group is None or policy.fleet):
+            if parent is None and policy.size is not None and (self._group is None or policy.sized):
                 inferred = _siblings.Inferred(policy, self._group)
             if inferred is not None or current.get(SIBLINGS_KEY) is not None:
                 ctx = otel_context.set_value(SIBLINGS_KEY, inferred, ctx)

@@ -55,6 +55,7 @@ class Recorder(Served):
     redirect_to: str | None = None
     tls: tuple[str, str] | None = None  # (certificate file, key file): serve https
     instances: int = 0  # workers its /health lists, as a Dynamo frontend's does (0: no list)
+    health_reads: list[dict[str, str]] = field(default_factory=list)  # the headers of each GET /health
     _served: AsgiServer | None = None
 
     @property
@@ -65,6 +66,14 @@ class Recorder(Served):
         self.requests.clear()
 
     async def _handle(self, request: Request) -> Response:
+        if (
+            request.url.path == "/health"
+        ):  # otel-session reading the fleet's size, not a request of the test's
+            self.health_reads.append(dict(request.headers))
+            if self.instances:
+                listed = [{"endpoint": "generate", "instance_id": 7000 + i} for i in range(self.instances)]
+                return JSONResponse({"status": "healthy", "instances": listed})
+            return JSONResponse({"status": "healthy"})
         self.requests.append(
             Seen(
                 request.method,
@@ -74,9 +83,6 @@ class Recorder(Served):
         )
         if self.fail_next:
             return JSONResponse({"error": "injected failure"}, status_code=self.fail_next.popleft())
-        if request.url.path == "/health" and self.instances:
-            listed = [{"endpoint": "generate", "instance_id": 7000 + i} for i in range(self.instances)]
-            return JSONResponse({"status": "healthy", "instances": listed})
         if request.url.path.startswith("/r/") and self.redirect_to:
             return RedirectResponse(self.redirect_to + request.url.path[2:], status_code=307)
         if request.url.path.endswith("/chat/completions"):

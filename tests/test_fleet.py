@@ -128,7 +128,7 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["cpu_busy"] is None or 0.0 <= r["cpu_busy"] <= 1.0, r  # type: ignore[operator]
     assert "| step s (spread) | x kv (paired) | x rr |" in out
     default = next(r for r in rows if r["arm"] == "kv+default")
-    assert default["siblings_setting"] == "groups:2" and default["group_size"] == 2
+    assert default["siblings_setting"] == "auto" and default["group_size"] == 2  # pairs: no step seen yet
     assert default["groups_together"] == 1.0  # each pair of siblings named one parent: one worker
     kv = next(r for r in rows if r["arm"] == "kv+attempt")
     rr = next(r for r in rows if r["arm"] == "rr")

@@ -56,7 +56,7 @@ def test_httpx_transport_retries_on_connect_errors_keep_the_id() -> None:
     client = httpx.Client(transport=httpx.HTTPTransport(retries=6))
     with otel_session.trajectory() as traj:
         starter.start()
-        response = client.get(f"http://127.0.0.1:{port}/health")
+        response = client.get(f"http://127.0.0.1:{port}/v1/models")
     starter.join()
     try:
         assert response.status_code == 200

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -85,12 +86,29 @@ def test_attempt_policy_names_no_parent(dynamo: Recorder) -> None:
     assert len({session for session, _ in attempts.values()}) == 8
 
 
-def test_the_default_is_groups_of_two(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_default_pairs_siblings_until_it_can_size_groups_to_the_fleet(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto``: the first step two by two (no step seen yet), the next one group per worker (the
+    recorder's /health lists 4 workers; 2 prompts x 8 siblings: K = ceil(8 / (4 // 2)) = 4)."""
     monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
+    dynamo.instances = 4
     settings = otel_session.configure(dynamo_hosts=[dynamo.url])
-    assert str(settings.siblings) == "groups:2"
+    assert str(settings.siblings) == "auto"
     attempts = _per_attempt(_grpo_step(dynamo, prompts=1, siblings=4))
     assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2, 2]
+    assert None not in {session for session, _ in attempts.values()}  # the header on every request
+    dynamo.clear()
+    _grpo_step(dynamo, prompts=2, siblings=8)  # its /health read as it began: still two by two
+    deadline = time.monotonic() + 10
+    while not otel_session._fleet.known() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    dynamo.clear()
+    attempts = _per_attempt(_grpo_step(dynamo, prompts=2, siblings=8))
+    for prompt in ("p0", "p1"):
+        per_parent = Counter(parent for (p, _), (_, parent) in attempts.items() if p == prompt)
+        assert sorted(per_parent.values()) == [4, 4]  # the last step's 2 groups of 8 on 4 workers
+    assert None not in {session for session, _ in attempts.values()}
 
 
 def test_an_attempt_without_a_group_names_no_parent(dynamo: Recorder) -> None:

@@ -72,7 +72,10 @@ def _wait_for_size(dynamo: Recorder) -> None:
 
 def test_fleet_is_spelled_and_shown() -> None:
     policy = Siblings.parse(" Fleet ")
-    assert policy.fleet and str(policy) == "fleet" and not Siblings.parse("groups:2").fleet
+    assert policy.sized and policy.withholds and str(policy) == "fleet"
+    auto = Siblings.parse("AUTO")
+    assert auto.sized and not auto.withholds and str(auto) == "auto"
+    assert not Siblings.parse("groups:2").sized and not Siblings.parse("prompt").withholds
 
 
 @pytest.mark.parametrize(
@@ -118,7 +121,9 @@ def test_the_first_step_goes_without_the_session_and_the_next_is_grouped_per_wor
         httpx.get(f"{gym.url}/episode", timeout=10)
     assert attempt.session_id is not None and attempt.session_id in (gym.requests[0].get("baggage") or "")
     _wait_for_size(dynamo)
-    assert [seen.get(SESSION_HEADER) for seen in dynamo.requests if seen.path == "/health"] == [None]
+    assert len(dynamo.health_reads) == 1 and not any(
+        k.lower().startswith("x-dynamo") for k in dynamo.health_reads[0]
+    )
     dynamo.clear()
     _step(dynamo, prompts=16, siblings=8)
     second = _attempts(dynamo)
@@ -135,7 +140,7 @@ def test_the_first_step_goes_without_the_session_and_the_next_is_grouped_per_wor
         == 128
     )
     assert (
-        support.metric_delta(before, "otel_session.sibling_choices", otel_session__siblings__choice="grouped")
+        support.metric_delta(before, "otel_session.sibling_choices", otel_session__siblings__choice="sized")
         == 128
     )
 
@@ -176,9 +181,7 @@ def test_a_router_without_a_fleet_list_is_one_line_and_the_default(
         dynamo.clear()
         _step(dynamo, prompts=2, siblings=4)
     lines = [
-        r.getMessage()
-        for r in caplog.records
-        if "/health" in r.getMessage() and "cannot read" in r.getMessage()
+        r.getMessage() for r in caplog.records if "/health" in r.getMessage() and "lists no" in r.getMessage()
     ]
     assert len(lines) == 1 and "groups:2" in lines[0] and dynamo.url in lines[0]
     attempts = _attempts(dynamo)
@@ -194,7 +197,7 @@ def test_a_router_that_takes_no_parent_always_gets_the_session(gym: Recorder) ->
     assert len(attempts) == 8
     sessions = {seen.get("X-Session-ID") for seen in gym.requests}
     assert None not in sessions and len(sessions) == 8
-    assert not [seen for seen in gym.requests if seen.path == "/health"]  # no fleet size asked for
+    assert not gym.health_reads  # no fleet size asked for
 
 
 def test_unconfigure_forgets_the_steps_seen(dynamo: Recorder) -> None:

@@ -180,12 +180,12 @@ def test_the_first_router_request_decides_for_the_whole_attempt(dynamo: Recorder
     otel_session.configure(dynamo_hosts=[dynamo.url], trusted_hosts=[gym.url], siblings="prompt")
     with otel_session.trajectory(), httpx.Client(timeout=10) as client:
         client.post(f"{gym.url}/env", json={"messages": _chat("p")})
-        client.get(f"{dynamo.url}/health")
+        client.get(f"{dynamo.url}/v1/models")
         client.post(f"{dynamo.url}/v1/chat/completions", json={"model": "m", "messages": _chat("p")})
     with otel_session.trajectory(), httpx.Client(timeout=10) as client:
         client.post(f"{gym.url}/env", json={"messages": _chat("p")})
         client.post(f"{dynamo.url}/v1/chat/completions", json={"model": "m", "messages": _chat("p")})
-        client.get(f"{dynamo.url}/health")
+        client.get(f"{dynamo.url}/v1/models")
     first, second, third, fourth = dynamo.requests
     assert first.get(PARENT_SESSION_HEADER) is None and second.get(PARENT_SESSION_HEADER) is None
     assert third.get(PARENT_SESSION_HEADER) is not None

@@ -122,7 +122,7 @@ def test_a_spelling_prints_as_it_reads(text: str, shown: str) -> None:
 
 @pytest.mark.parametrize("text", ["groups:4097", "groups:2:3", "x:groups:2"])
 def test_spellings_out_of_range_or_with_two_colons_are_refused(text: str) -> None:
-    with pytest.raises(ValueError, match="is not attempt, prompt, fleet or groups:K"):
+    with pytest.raises(ValueError, match="is not attempt, prompt, auto, fleet or groups:K"):
         Siblings.parse(text)
 
 
