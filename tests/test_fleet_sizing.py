@@ -76,13 +76,14 @@ def test_siblings_setting(workers: int, prompts: int, siblings: int, setting: st
 
 def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert siblings_note(64, 8, 16).startswith(
-        "64 workers, 8 prompts x 16 siblings: OTEL_SESSION_SIBLINGS=groups:2 (the default (groups:2) is"
+        "64 workers, 8 prompts x 16 siblings: one group per worker is groups:2 (the default (auto) keys"
     )
-    idle = siblings_note(32, 4, 8)  # 16 default groups for 32 workers
-    assert "OTEL_SESSION_SIBLINGS=attempt" in idle and "makes 16 groups for 32 workers" in idle
-    assert "fills the fleet too" in siblings_note(32, 16, 8)
+    idle = siblings_note(32, 4, 8)  # 8 workers per prompt: each sibling alone
+    assert "one group per worker is attempt" in idle and "OTEL_SESSION_SIBLINGS=attempt fixes K" in idle
+    assert "second step" in siblings_note(32, 16, 8) and "OTEL_SESSION_SIBLINGS=fleet" in idle
     assert "kv routing alone measured a higher hit rate" in siblings_note(128, 64, 8)
-    assert "kv routing alone" not in siblings_note(64, 8, 16) + siblings_note(256, 256, 1)
+    assert "pairs them (groups:2)" in siblings_note(None, 8, 16)
+    assert "higher hit rate" not in siblings_note(64, 8, 16) + siblings_note(256, 256, 1)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
 
 
@@ -94,7 +95,7 @@ def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callab
     assert len(set(stack.worker_ids)) == 8  # one process, eight workers, each its own instance
     report = diagnose(stack.base_url, requests=3, batch=(2, 8))
     line = next(c for c in report.checks if c.name == "sibling keying")
-    assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: OTEL_SESSION_SIBLINGS=groups:2 (")
+    assert line.detail.startswith("8 workers, 2 prompts x 8 siblings: one group per worker is groups:2 (")
     assert "the bindings of 3,276 steps fit" in next(
         c.detail for c in report.checks if c.name == "session table per step"
     )
@@ -125,7 +126,7 @@ def test_caches_hold_counts_each_workers_share_of_the_step() -> None:
     assert caches_hold(0, 128, 2_500, 1) and caches_hold(32, 0, 2_500, 1)  # nothing to place
     # doctor's groups:4, one group per worker: 2,170 + 4 x 330 = 3,490 <= 4,096 (measured 0.72x kv's step)
     assert caches_hold(32, 128, 2_500, 256 * 16, group=4, shared_tokens=2_170)
-    # the default's groups:2, two groups per worker: 2 x (2,170 + 2 x 330) > 4,096 (measured 1.26x)
+    # groups:2 (auto's first step), two groups per worker: 2 x (2,170 + 2 x 330) > 4,096 (measured 1.31x)
     assert not caches_hold(32, 128, 2_500, 256 * 16, group=2, shared_tokens=2_170)
     assert not caches_hold(32, 128, 2_500, 256 * 16, group=4)  # nothing shared: 4 x 2,500 again
     # agentic (8 workers of an H100's KV for Llama-3.1-8B scaled to 8 trajectories a worker, 107,520
@@ -138,9 +139,9 @@ def test_step_advice_turns_affinity_on_only_with_groups_the_caches_hold() -> Non
         tight, ample = step_advice(layout, False), step_advice(layout, True, "groups:4")
         tight = tight.split("round-robin or random")[0]  # the kv part; the other layout's follows
         assert "leave session affinity off" in tight and "turn session affinity on" not in tight
-        assert "1.26x" in tight and "1.05x" in tight
-        assert "turn session affinity on (--router-session-affinity-ttl-secs 600) together with " in ample
-        assert "OTEL_SESSION_SIBLINGS=groups:4" in ample and "0.72x" in ample
+        assert "1.31x" in tight and "1.05x" in tight
+        assert "turn session affinity on (--router-session-affinity-ttl-secs 600): from the second" in ample
+        assert "OTEL_SESSION_SIBLINGS=groups:4" in ample and "0.60x" in ample and "=fleet" in ample
         assert "leave session affinity off" not in ample and "--kv-tokens" not in tight + ample
         assert "--kv-tokens" in step_advice(layout)  # unknown: how to have it checked
     assert step_advice("unaware", True) == step_advice("unaware", False)  # switch to kv routing first

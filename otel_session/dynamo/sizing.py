@@ -151,7 +151,7 @@ def siblings_setting(workers: int, prompts: int, siblings: int) -> str:
     return "prompt" if size >= siblings else f"groups:{size}"
 
 
-#: Siblings per parent in the library's default setting (``groups:2``).
+#: Siblings per parent where the default (``auto``) cannot size groups yet (``groups:2``).
 DEFAULT_GROUP = 2
 #: From this many workers a burst of trajectories measured better with kv routing alone when caches
 #: were tight (docs/performance.md, "At fleet scale").
@@ -168,29 +168,27 @@ SIBLINGS_RULE = (
 
 def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
     """The doctor's line for a batch shape: the rule, this fleet's setting when its size is known,
-    and whether the library's default (``groups:2``) is in a cell where it measured worse than kv."""
+    and how the library's default (``auto``) reaches it."""
     if workers is None:
-        return f"fleet size unknown (no /health instances): {SIBLINGS_RULE}."
+        return (
+            "fleet size unknown (no /health instances): the default cannot size sibling groups to the "
+            f"fleet and pairs them (groups:{DEFAULT_GROUP}); set OTEL_SESSION_SIBLINGS=groups:K by the "
+            f"rule: {SIBLINGS_RULE}."
+        )
     setting = siblings_setting(workers, prompts, siblings)
-    default_groups = prompts * math.ceil(siblings / DEFAULT_GROUP)
-    if setting == f"groups:{DEFAULT_GROUP}":
-        verdict = "the default (groups:2) is that setting"
-    elif siblings > 1 and default_groups < workers:
-        verdict = (
-            f"the default (groups:2) makes {default_groups} groups for {workers} workers, fewer than the "
-            "workers: there it measured slower than kv routing alone (TTFT), so set it"
-        )
-    else:
-        verdict = (
-            "the default (groups:2) fills the fleet too; this setting measured better where caches are tight"
-        )
+    verdict = (
+        "the default (auto) keys them so from the second step of each process, from the workers "
+        "/health lists and the step before; in a process's first step it pairs them "
+        f"(groups:{DEFAULT_GROUP}), and OTEL_SESSION_SIBLINGS=fleet sends that step without sessions "
+        f"instead (kv routing alone's step); OTEL_SESSION_SIBLINGS={setting} fixes K from the first step"
+    )
     if workers >= LARGE_FLEET and siblings > 1:
         verdict += (
             f"; at {LARGE_FLEET} workers and more, with KV caches that hold fewer contexts than a worker is "
             "given, kv routing alone measured a higher hit rate than every session setting: compare both"
         )
     return (
-        f"{workers} workers, {prompts} prompts x {siblings} siblings: OTEL_SESSION_SIBLINGS={setting} "
+        f"{workers} workers, {prompts} prompts x {siblings} siblings: one group per worker is {setting} "
         f"({verdict}); the rule: {SIBLINGS_RULE}."
     )
 
@@ -202,8 +200,8 @@ LAYOUTS = ("kv", "unaware")
 #: Step makespans measured against kv routing alone's (docs/performance.md, "At fleet scale"), the
 #: figures the advice quotes: GRPO (32 workers, 16 prompts x 8, tight caches) and agentic.
 STEP_OFF = "1.05x"  # kv, the default's headers, affinity off (GRPO; routing ignores the header)
-STEP_DEFAULT_ON = "1.26x"  # kv + the default (groups:2), affinity on (GRPO)
-STEP_GROUPED_ON = "0.72x"  # kv + doctor's groups:K, affinity on, each worker holding its group (GRPO)
+STEP_DEFAULT_ON = "1.31x"  # kv + siblings paired (groups:2, auto's first step), affinity on (GRPO)
+STEP_GROUPED_ON = "0.60x"  # kv + one group per worker (auto from the second step, fleet), affinity on
 STEP_RR = "1.51x"  # round-robin, no header (GRPO)
 STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
@@ -237,18 +235,20 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
     :func:`caches_hold` with the grouping ``setting`` doctor recommends, e.g. ``groups:4``; ``None``:
     unknown). otel-session sends the header either way; the frontend's affinity flag decides whether
     it pins, and pinning paid only with siblings grouped one group per worker in caches that hold it."""
-    grouping = f"OTEL_SESSION_SIBLINGS={setting}" if setting else "doctor's OTEL_SESSION_SIBLINGS=groups:K"
+    grouping = setting or "groups:K"
     off = (
         "leave session affinity off (no --router-session-affinity-ttl-secs): without the flag Dynamo "
         "routes as if the header were absent, so the step is kv routing alone's (the default's headers "
         f"measured {STEP_OFF} of it, within run-to-run spread); with the flag, pinned siblings crowd "
-        f"workers whose caches cannot hold them (affinity on with the default grouping: {STEP_DEFAULT_ON})"
+        f"workers whose caches cannot hold them (affinity on with siblings paired: {STEP_DEFAULT_ON})"
     )
     on = (
-        f"turn session affinity on (--router-session-affinity-ttl-secs 600) together with {grouping}, "
-        "one group of siblings per worker: each worker's cache holds its group's shared prompt and "
-        f"contexts, and the step measured {STEP_GROUPED_ON} kv routing alone's (with the default "
-        f"grouping, {STEP_DEFAULT_ON}: set both or neither)"
+        "turn session affinity on (--router-session-affinity-ttl-secs 600): from the second step of "
+        f"each process the default (auto) keys siblings one group per worker ({grouping} here), each "
+        "worker's cache holds its group's shared prompt and contexts, and the step measured "
+        f"{STEP_GROUPED_ON} kv routing alone's; in the first step it pairs them ({STEP_DEFAULT_ON}), "
+        "which OTEL_SESSION_SIBLINGS=fleet avoids by sending that step without sessions (kv routing "
+        f"alone's step), and OTEL_SESSION_SIBLINGS={grouping} by fixing K from the start"
     )
     unaware = (
         "round-robin or random routing cannot see the caches: run --router-mode kv instead "
