@@ -10,6 +10,7 @@ and go). Until the first answer the size is unknown; a router that has no such l
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -106,6 +107,25 @@ def _shown(origin: Origin) -> str:
     scheme, host, port = origin
     shown = f"[{host}]" if ":" in host else host
     return f"{scheme}://{shown}" + (f":{port}" if port is not None else "")
+
+
+def largest() -> int | None:
+    """The most workers any router has listed here (``None``: none read yet, or none listed any): the
+    fleet a ``trajectory(group=...)`` is sized to as it opens, before it has sent anything."""
+    with _lock:
+        return max((workers for workers, _ in _sizes.values() if workers != UNREADABLE), default=None)
+
+
+def _forget_in_child() -> None:
+    """``os.register_at_fork`` hook: a read in flight is the parent's thread, which the child does
+    not have; left marked, the child would never read that router's size again."""
+    global _lock
+    _reading.clear()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def forget() -> None:

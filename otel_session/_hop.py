@@ -130,6 +130,11 @@ class Offered:
             route = self.settings.rules.route(scheme, host, port) if host else NOWHERE
             if untold and route.profile is not None and self.offer.session is None:
                 outside(scheme, host, port)
+            policy = self.settings.siblings
+            # Groups sized as they open need the router's fleet size: read it before it is needed.
+            profile = route.profile
+            if host and profile is not None and profile.parent_header and _siblings.needs_fleet_size(policy):
+                _fleet.size_at((scheme, host, port), policy.withholds)
             found = Plan(self, route, destination, plan(route, self.offer, {}) if route else [])
             self._plans[destination] = found
         return found

@@ -122,9 +122,10 @@ class _Shape:
     attempts one group started. A step ends where no group is open (a GRPO step's siblings all end
     before the next step's start); the shape kept is the larger of the running and the last step's."""
 
-    __slots__ = ("last", "open", "size")
+    __slots__ = ("last", "open", "siblings", "size")
 
     def __init__(self) -> None:
+        self.siblings = False  # a group has had two attempts: the fleet's size will be wanted
         self.open = 0  # this step: most groups open at once
         self.size = 0  # this step: most attempts of a group that ended
         self.last = (0, 0)  # the step before: (groups open at once, siblings per group)
@@ -172,12 +173,9 @@ def last_shape() -> tuple[int, int]:
 
 
 def needs_fleet_size(policy: Siblings) -> bool:
-    """Whether deciding an attempt under ``policy`` needs its router's fleet size: always under
-    ``fleet``; under ``auto`` once a step with siblings was seen (a run without siblings never asks)."""
-    if policy.withholds:
-        return True
-    shape = _shape.groups_siblings()
-    return policy.sized and shape is not None and shape[1] > 1
+    """Whether deciding attempts under ``policy`` needs their router's fleet size: always under
+    ``fleet``; under ``auto`` once a group had two attempts (a run without siblings never asks)."""
+    return policy.withholds or (policy.sized and _shape.siblings)
 
 
 def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[str | None, GroupKey] | None:
@@ -202,6 +200,8 @@ def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[s
             return None
         group.started += 1
         group.open += 1
+        if group.started == 2:
+            _shape.siblings = True
         size = group.key.size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
         if size is None:
             return WITHHELD, group.key

@@ -29,7 +29,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _faults, _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
+from otel_session import _faults, _fleet, _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
 from otel_session._context import (
     ROUTER_VISITS_KEY,
     SESSION_ATTRIBUTE,
@@ -154,16 +154,18 @@ class trajectory(metaclass=_TrajectoryType):
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
         settings = _settings.current
         policy = settings.siblings if settings is not None else _siblings.Siblings(None)
-        if parent is None and self._group is not None and settings is not None and not policy.sized:
-            joined = _siblings.join(self._group, policy)  # an enclosing trajectory wins
+        if parent is None and self._group is not None and settings is not None and not policy.withholds:
+            # An enclosing trajectory wins. Sized to the largest fleet seen so far (``auto``): the
+            # parent goes in baggage too, for a trusted host's requests to the router.
+            joined = _siblings.join(self._group, policy, _fleet.largest() if policy.sized else None)
             if joined is not None:
                 parent, self._joined = joined
         ctx = with_session(session, parent, current)
         if not reentered:  # a re-entered session is the same attempt: it keeps the group it has
-            # With no group given (or under ``fleet``, whose K needs the router), the attempt's first
-            # request to a router decides its group and parent.
+            # With no group given (or under ``fleet``, which may withhold the session), the attempt's
+            # first request to a router decides its group and parent.
             inferred = None
-            if parent is None and policy.size is not None and (self._group is None or policy.sized):
+            if parent is None and policy.size is not None and (self._group is None or policy.withholds):
                 inferred = _siblings.Inferred(policy, self._group)
             if inferred is not None or current.get(SIBLINGS_KEY) is not None:
                 ctx = otel_context.set_value(SIBLINGS_KEY, inferred, ctx)

@@ -281,3 +281,29 @@ def test_requests_attempts_are_decided_at_their_first_request_too(dynamo: Record
     step()
     parents = Counter(parent for _, parent in _attempts(dynamo).values())
     assert sorted(parents.values()) == [2, 2] and None not in parents  # 1 group of 4, 2 workers: K = 2
+
+
+def test_under_the_default_a_named_groups_parent_reaches_trusted_hosts_in_baggage(
+    dynamo: Recorder, gym: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto`` decides a ``group=`` attempt's parent as it opens (sized to the largest fleet read so
+    far), so a trusted host (a Gym server calling the router itself) gets it in baggage, as before."""
+    monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
+    otel_session.configure(dynamo_hosts=[dynamo.url], trusted_hosts=[gym.url])
+
+    async def attempt(index: int) -> None:
+        async with otel_session.trajectory(group="same"), httpx.AsyncClient() as client:
+            await client.post(f"{gym.url}/run/{index}", json={}, timeout=10)
+            await asyncio.sleep(0.05)
+
+    async def run() -> None:
+        await asyncio.gather(*(attempt(i) for i in range(2)))
+
+    asyncio.run(run())
+    parents = {
+        member.split("=", 1)[1]
+        for seen in gym.requests
+        for member in (seen.get("baggage") or "").split(",")
+        if member.strip().startswith("session.parent_id=")
+    }
+    assert len(parents) == 1 and len(gym.requests) == 2  # the pair's one parent, to both requests
