@@ -56,6 +56,7 @@ class Recorder(Served):
     tls: tuple[str, str] | None = None  # (certificate file, key file): serve https
     instances: int = 0  # workers its /health lists, as a Dynamo frontend's does (0: no list)
     health_reads: list[dict[str, str]] = field(default_factory=list)  # the headers of each GET /health
+    health_delay: float = 0.0  # seconds /health takes to answer
     _served: AsgiServer | None = None
 
     @property
@@ -70,6 +71,7 @@ class Recorder(Served):
             request.url.path == "/health"
         ):  # otel-session reading the fleet's size, not a request of the test's
             self.health_reads.append(dict(request.headers))
+            await asyncio.sleep(self.health_delay)
             if self.instances:
                 listed = [{"endpoint": "generate", "instance_id": 7000 + i} for i in range(self.instances)]
                 return JSONResponse({"status": "healthy", "instances": listed})

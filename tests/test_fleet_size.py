@@ -1,0 +1,137 @@
+"""The fleet's size as ``_fleet`` reads it from a router's ``/health``: what counts as a worker, and
+reads that fail (no list, not JSON, an error, a peer that never answers) without any request waiting
+on them. Real servers over loopback; the hanging one is a socket that accepts and never answers."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import otel_session
+from otel_session import SESSION_HEADER, _fleet
+from tests.recorder import Recorder
+
+
+@pytest.mark.parametrize(
+    ("health", "workers"),
+    [
+        ({"instances": [{"endpoint": "generate", "instance_id": i} for i in range(5)]}, 5),
+        ({"instances": [{"endpoint": "generate", "instance_id": 1}] * 3}, 1),  # one worker listed thrice
+        ({"instances": [{"endpoint": "clear_kv_blocks", "instance_id": 1}]}, 0),  # not a generate worker
+        ({"instances": [{"endpoint": "generate"}, {"endpoint": "generate", "instance_id": None}]}, 0),
+        ({"instances": [None, 7, "x", [], {"endpoint": "generate", "instance_id": "a"}]}, 1),
+        ({"instances": {"endpoint": "generate"}}, 0),  # not a list
+        ({"status": "healthy"}, 0),
+        ([], 0),
+        ("healthy", 0),
+        (None, 0),
+    ],
+)
+def test_workers_are_the_distinct_instances_serving_generate(health: Any, workers: int) -> None:
+    assert _fleet.workers_in(health) == workers
+
+
+def _wait_known(origin: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while origin not in _fleet.known() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _fleet.known().get(origin)
+
+
+def test_a_router_is_read_once_and_again_after_a_while(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dynamo.instances = 3
+    origin = ("http", dynamo.host, dynamo.port)
+    assert _fleet.size_at(origin) is None  # not read yet: the read starts, nothing waits on it
+    assert _wait_known(dynamo.url) == 3
+    assert _fleet.size_at(origin) == 3 and len(dynamo.health_reads) == 1  # fresh: not read again
+    monkeypatch.setattr(_fleet, "REREAD", 0.0)
+    dynamo.instances = 5
+    assert _fleet.size_at(origin) == 3  # stale: the last size serves while it is read again
+    deadline = time.monotonic() + 10
+    while _fleet.known().get(dynamo.url) != 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _fleet.known()[dynamo.url] == 5
+    _fleet.forget()
+    assert _fleet.known() == {} and _fleet.largest() is None
+
+
+@pytest.fixture
+def silent_peer() -> Iterator[tuple[str, int]]:
+    """A peer that accepts connections and never answers a byte."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield sock.getsockname()
+    stop.set()
+    thread.join(timeout=5)
+    for conn in held:
+        conn.close()
+    sock.close()
+
+
+def test_a_peer_that_never_answers_costs_no_request_and_ends_unreadable(
+    silent_peer: tuple[str, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_fleet, "DEADLINE", 0.5)
+    host, port = silent_peer
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        assert _fleet.size_at(("http", host, port)) is None
+        assert time.monotonic() - began < 0.2  # the caller never waits on the read
+        assert _wait_known(f"http://{host}:{port}") == _fleet.UNREADABLE
+    lines = [r.getMessage() for r in caplog.records if "lists no workers" in r.getMessage()]
+    assert len(lines) == 1 and "TimeoutError" in lines[0]
+
+
+@pytest.mark.parametrize("answer", ["not json", "error"])
+def test_a_health_that_is_not_a_list_is_unreadable_and_said_once_only_when_asked(
+    answer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with Recorder() as router:
+        if answer == "error":
+            router.fail_next.extend([500, 500])
+        origin = ("http", router.host, router.port)
+        with caplog.at_level(logging.WARNING, logger="otel_session"):
+            _fleet.size_at(origin, tell=False)
+            assert _wait_known(router.url) == _fleet.UNREADABLE
+            _fleet.forget()
+            _fleet.size_at(origin)
+            assert _wait_known(router.url) == _fleet.UNREADABLE
+        lines = [r.getMessage() for r in caplog.records if "lists no workers" in r.getMessage()]
+        assert len(lines) == 1 and router.url in lines[0] and "groups:2" in lines[0]
+
+
+def test_no_request_waits_for_a_health_that_is_slow(dynamo: Recorder) -> None:
+    """Under ``fleet``, siblings against a router whose /health takes 2 s: every request goes at
+    once (withheld while the size is unknown), none waits for the read."""
+    dynamo.instances, dynamo.health_delay = 4, 2.0
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    began = time.monotonic()
+    for _ in range(3):
+        with otel_session.trajectory(group="g"), httpx.Client(timeout=5) as client:
+            client.post(f"{dynamo.url}/v1/chat/completions", json={"messages": []})
+    assert time.monotonic() - began < 1.5 and len(dynamo.requests) == 3
+    assert {seen.get(SESSION_HEADER) for seen in dynamo.requests} == {None}
+    assert _wait_known(dynamo.url) == 4
