@@ -62,9 +62,9 @@ def configure(
     globally and instruments httpx, httpx2 (the openai SDK) and aiohttp when each is imported.
     ``servers=True`` puts the session middleware into every Starlette/FastAPI and aiohttp app the
     process builds. ``trajectory_functions`` (``module:Qualified.name``) makes every call of each
-    named function a trajectory attempt. ``siblings`` (``OTEL_SESSION_SIBLINGS``: ``attempt``,
-    ``prompt`` or ``groups:K``, default ``groups:2``) says how attempts of one group
-    (``trajectory(group=...)``) name a parent session. ``strict_affinity``
+    named function a trajectory attempt. ``siblings`` (``OTEL_SESSION_SIBLINGS``: ``auto``, the
+    default, ``fleet``, ``groups:K``, ``prompt`` or ``attempt``) says how attempts of one group
+    (``trajectory(group=...)``, or the same first prompt) name a parent session. ``strict_affinity``
     (``OTEL_SESSION_STRICT_AFFINITY``, unset: off) keeps a session pinned after its router refused it
     for want of room (Dynamo's 529), so the client's retries get the same error. Raises
     ``ValueError`` naming a bad argument or variable.

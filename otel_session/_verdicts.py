@@ -101,7 +101,7 @@ def crowding(router: Router, seen: RouterEvidence, look: _crowding.Look, sibling
     if siblings == "prompt" or (siblings.startswith("groups:") and int(siblings[7:]) > 2):
         fix = (
             f"siblings={siblings!r} puts many siblings under one parent, which the router binds to one "
-            "worker: use the default, configure(siblings='groups:2') (OTEL_SESSION_SIBLINGS), or "
+            "worker: use configure(siblings='groups:2') (OTEL_SESSION_SIBLINGS), or "
             "'attempt'"
         )
     else:

@@ -41,7 +41,8 @@ def test_a_plain_dict_is_read_in_any_case_and_the_first_spelling_wins() -> None:
     assert _carriers.read(object(), NAMES) == {}  # no keys at all: nothing read
 
 
-def test_case_insensitivity_is_decided_once_per_type() -> None:
+def test_case_insensitivity_is_decided_once_per_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_carriers, "_case_insensitive", {})  # earlier tests' types may have filled it
     assert _carriers.case_insensitive(httpx.Headers()) is True
     assert _carriers._case_insensitive[httpx.Headers] is True
     assert _carriers.case_insensitive({}) is False and _carriers._case_insensitive[dict] is False
