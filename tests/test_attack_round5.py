@@ -131,9 +131,15 @@ def test_every_hashable_group_key_opens_an_attempt_that_carries_a_session(
     assert all(session for session, _ in _carried(dynamo))
 
 
+# Short enough that the headers (45 bytes) are in well before doctor's 10 s deadline, so the trickling
+# case waits out that deadline in the body, not the headers' own pace; its 400-byte body would take
+# 40 s without the deadline (the subprocess's timeout).
+TRICKLE_PAUSE = 0.1
+
+
 def _raw_server(reply: bytes, trickle: bool) -> tuple[socket.socket, threading.Thread]:
     """A loopback TCP server that does not speak HTTP: it sends ``reply`` (byte by byte if
-    ``trickle``, for up to 45 s) to each connection and closes it."""
+    ``trickle``, one every ``TRICKLE_PAUSE`` s, for up to 45 s) to each connection and closes it."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
 
@@ -150,7 +156,7 @@ def _raw_server(reply: bytes, trickle: bool) -> tuple[socket.socket, threading.T
                 for index in range(len(reply) if trickle else 1):
                     conn.sendall(reply[index : index + 1] if trickle else reply)
                     if trickle:
-                        time.sleep(0.5)
+                        time.sleep(TRICKLE_PAUSE)
                         if time.monotonic() > deadline:
                             break
 
@@ -166,7 +172,7 @@ def _raw_server(reply: bytes, trickle: bool) -> tuple[socket.socket, threading.T
         (b"\x00\xff" * 64, False),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\ndynamo_frontend_cached_tok", False),
         pytest.param(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n" + b"x" * 200, True, marks=pytest.mark.slow
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n" + b"x" * 400, True, marks=pytest.mark.slow
         ),
     ],
 )
