@@ -101,7 +101,8 @@ class AttributesForwarder:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # a 50 ms poll: shutdown() waits up to one (0.5 s by default) for serve_forever to notice
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
 
     def forward(self, body: bytes) -> tuple[int, bytes]:
         request = urllib.request.Request(

@@ -134,7 +134,8 @@ class OtlpHttpReceiver(_Collected):
         self._server.daemon_threads = True
         self.port: int = self._server.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # a 50 ms poll: shutdown() waits up to one (0.5 s by default) for serve_forever to notice
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
 
     def close(self) -> None:
@@ -216,7 +217,8 @@ class HeaderServer:
         self.port: int = self._server.server_address[1]
         self.authority = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.authority}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # a 50 ms poll, as above
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
 
     def headers(self, name: str) -> list[str | None]:
         """The value of header ``name`` on every request so far, ``None`` where it was absent."""

@@ -487,7 +487,8 @@ class Pages:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # a 50 ms poll: shutdown() waits up to one (0.5 s by default) for serve_forever to notice
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
 
     def close(self) -> None:

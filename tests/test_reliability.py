@@ -56,7 +56,8 @@ def unix_server(tmp_path: Path) -> Iterator[tuple[str, list[dict[str, str]]]]:
     seen: list[dict[str, str]] = []
     handler = type("Handler", (_Recording,), {"seen": seen})
     server = socketserver.ThreadingUnixStreamServer(path, handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # a 50 ms poll: shutdown() waits up to one (0.5 s by default) for serve_forever to notice
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield path, seen
     server.shutdown()
