@@ -15,12 +15,11 @@ import math
 import re
 import time
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
-from otel_session import _verdicts
+from otel_session import _bounded_http, _verdicts
 from otel_session.dynamo.sizing import FULL_ANSWER, FULL_STATUS
 
 Sample = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -143,21 +142,21 @@ def shown(url: str) -> str:
 
 
 def fetch(url: str, timeout: float = 10.0) -> Sample:
-    """One GET of the metrics endpoint (the only request ``--watch`` makes)."""
-    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):  # not a file, not ftp
+    """One GET of the metrics endpoint (the only request ``--watch`` makes), bounded in total by
+    ``timeout``: look-up, connect, TLS and every read (a peer trickling its headers a byte at a time
+    meets it too), and to ``MAX_BYTES``; no proxy, no redirect followed."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):  # not a file, not ftp
         raise ValueError("a metrics endpoint is an http:// or https:// URL")
-    deadline = time.monotonic() + timeout  # the socket timeout is per read: a trickle never meets it
-    chunks: list[bytes] = []
-    size = 0
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        while chunk := reply.read1(65536):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_BYTES:
-                raise ValueError(f"an answer over {MAX_BYTES // 2**20} MiB is no metrics page")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no whole answer in {timeout:g} s")
-    text = b"".join(chunks).decode("utf-8", "replace")
+    if not parts.hostname:
+        raise ValueError("a metrics endpoint URL names a host")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    peer = _bounded_http.Peer(scheme, parts.hostname, parts.port, time.monotonic() + timeout)
+    body = peer.request("GET", path, None, {"Accept": "text/plain"}, MAX_BYTES + 1)
+    if len(body) > MAX_BYTES:
+        raise ValueError(f"an answer over {MAX_BYTES // 2**20} MiB is no metrics page")
+    text = body.decode("utf-8", "replace")
     found = parse(text)
     if not found:  # a page, but no sample on it: the wrong path (a base URL, /v1/models), else empty
         first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), None)
