@@ -11,6 +11,7 @@ import logging
 import ssl
 import time
 from collections import Counter
+from typing import Any
 
 import aiohttp
 import httpx
@@ -311,3 +312,52 @@ def test_under_the_default_a_named_groups_parent_reaches_trusted_hosts_in_baggag
         if member.strip().startswith("session.parent_id=")
     }
     assert len(parents) == 1 and len(gym.requests) == 2  # the pair's one parent, to both requests
+
+
+def _open_close(groups: int, siblings: int, policy: Siblings, workers: int | None = None) -> list[Any]:
+    tickets = [_siblings.join((g, "x"), policy, workers) for g in range(groups) for _ in range(siblings)]
+    for ticket in tickets:
+        assert ticket is not None
+        _siblings.leave(ticket[1])
+    return tickets
+
+
+def test_the_shape_is_the_last_steps_until_a_larger_one_is_seen() -> None:
+    auto = Siblings.parse("auto")
+    assert _siblings.last_shape() == (0, 0) and not _siblings.needs_fleet_size(auto)
+    assert _siblings.needs_fleet_size(Siblings.parse("fleet"))  # fleet reads the size from the start
+    assert not _siblings.needs_fleet_size(Siblings.parse("groups:2"))
+    first = _siblings.join("a", auto)
+    assert first is not None and not _siblings.needs_fleet_size(auto)  # one attempt: no siblings yet
+    second = _siblings.join("a", auto)
+    assert second is not None and _siblings.needs_fleet_size(auto)  # two: the size will be wanted
+    other = _siblings.join("b", auto)
+    assert other is not None
+    _siblings.leave(first[1])
+    _siblings.leave(second[1])
+    assert _siblings.last_shape() == (2, 2)  # a group ended: its size, and the groups open at once
+    _siblings.leave(other[1])
+    assert _siblings.last_shape() == (2, 2)  # the step ended (no group open): kept as the last
+    _open_close(1, 5, auto)
+    assert _siblings.last_shape() == (1, 5)  # that step ended: 1 group of 5 is the last step now
+    running = [_siblings.join(g, auto) for g in range(3)]  # a step under way: 3 groups open at once
+    assert _siblings.last_shape() == (3, 5)  # the larger of the running step's and the last one's
+    for ticket in running:
+        assert ticket is not None
+        _siblings.leave(ticket[1])
+    assert _siblings.last_shape() == (3, 1)
+    _siblings.forget_shape()
+    assert _siblings.last_shape() == (0, 0) and not _siblings.needs_fleet_size(auto)
+
+
+def test_one_sibling_per_worker_names_no_parent_only_when_sized() -> None:
+    _open_close(4, 2, Siblings.parse("auto"))  # last step: 4 groups of 2
+    auto = _siblings.join("k", Siblings.parse("auto"), 8)  # 8 // 4 = 2 workers a group: K = 1
+    fixed = _siblings.join("j", Siblings.parse("groups:1"))
+    assert auto is not None and auto[0] is None and auto[1].size == 1 and auto[1].sized
+    assert fixed is not None and fixed[0] is not None and fixed[1].size == 1 and not fixed[1].sized
+    unread = _siblings.join("u", Siblings.parse("auto"), _siblings.UNREADABLE)
+    assert unread is not None and unread[1].size == 2 and not unread[1].sized
+    for ticket in (auto, fixed, unread):
+        _siblings.leave(ticket[1])
+    assert open_groups() == 0
