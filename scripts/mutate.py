@@ -66,6 +66,8 @@ _HOP_TESTS = (
     "tests/test_delivery.py",
 )
 _EVIDENCE_TESTS = (
+    "tests/test_evidence_rules.py",
+    "tests/test_verdicts_rules.py",
     "tests/test_metrics_rules.py",
     "tests/test_evidence.py",
     "tests/test_crowding.py",
