@@ -85,6 +85,14 @@ _CLIENT_TESTS = (
     "tests/test_retries.py",
     "tests/test_transparent.py",
 )
+# The machinery the client hooks share: its own rules and the walks over every real target, all
+# in-process and quick (the client files above start loopback servers: minutes per surviving mutant).
+_BASE_TESTS = (
+    "tests/test_hook_base.py",
+    "tests/test_transparent.py",
+    "tests/test_instrumentors.py",
+    "tests/test_late_import.py",
+)
 MODULES: dict[str, tuple[str, ...]] = {
     "_policy": _RULES_TESTS,
     "_hosts": _RULES_TESTS,
@@ -109,7 +117,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_verdicts": _EVIDENCE_TESTS,
     "_metrics": _EVIDENCE_TESTS,
     "_crowding": _EVIDENCE_TESTS,
-    "instrumentation._base": _CLIENT_TESTS,
+    "instrumentation._base": _BASE_TESTS,
     "instrumentation.httpx": _CLIENT_TESTS,
     "instrumentation.aiohttp_client": _CLIENT_TESTS,
     "instrumentation.urllib3_client": _CLIENT_TESTS,
