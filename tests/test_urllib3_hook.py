@@ -8,6 +8,7 @@ tests/test_requests_client.py."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
@@ -16,11 +17,16 @@ from typing import Any
 import pytest
 import requests
 import urllib3
+from opentelemetry import propagate
 from requests.structures import CaseInsensitiveDict
 
 import otel_session
-from otel_session import _evidence, _faults
+from otel_session import _evidence, _faults, _hop, _metrics
+from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import urllib3_client as hook
+from tests.proxy import RecordingProxy
+from tests.recorder import Recorder
+from tests.test_metrics_rules import Recording
 
 NAMES = ("baggage", "traceparent", "x-dynamo-session-id")
 
@@ -70,6 +76,17 @@ def _case_sensitive_get(self: Any, key: str, default: Any = None) -> Any:
             False,
         ),
         (type("Sensitive", (CaseInsensitiveDict,), {"get": _case_sensitive_get}), False),
+        (
+            type(
+                "SharedExact",
+                (CaseInsensitiveDict,),
+                {
+                    "__init__": lambda s, d: (setattr(s, "_store", _Shared()), s.update(d))[0],
+                    "__contains__": lambda s, k: k in s._store,
+                },
+            ),
+            False,
+        ),
         (
             type(
                 "Sorted",
@@ -148,7 +165,14 @@ def test_other_headers_are_copied_by_their_own_copy_or_as_a_dict(added_only: boo
 
 @pytest.mark.parametrize(
     ("host", "dialled"),
-    [("h.example.", "h.example"), ("h.example..", "h.example"), ("h", "h"), ("", ""), (None, None)],
+    [
+        ("h.example.", "h.example"),
+        ("h.example..", "h.example"),
+        ("h", "h"),
+        ("box.", "box"),
+        ("", ""),
+        (None, None),
+    ],
 )
 def test_a_pool_dials_its_host_without_trailing_dots(host: str | None, dialled: str | None) -> None:
     pool = SimpleNamespace(scheme="https", host=host, port=8443)  # what ``_own`` reads of a pool
@@ -175,6 +199,11 @@ def test_a_forwarding_pool_sends_to_the_urls_host(url: Any, destination: tuple[A
     assert hook._destination(pool, url) == destination
 
 
+def test_a_forwarded_url_without_a_host_has_none() -> None:
+    pool = urllib3.ProxyManager("http://127.0.0.1:3128").connection_from_url(FINAL)
+    assert hook._destination(pool, "http:///x") == ("http", None, 80)
+
+
 def test_a_pool_without_a_proxy_or_tunnelling_sends_to_its_own_host() -> None:
     plain = urllib3.HTTPConnectionPool("127.0.0.1", 8000)
     assert hook._destination(plain, "http://other:81/") == ("http", "127.0.0.1", 8000)
@@ -183,6 +212,7 @@ def test_a_pool_without_a_proxy_or_tunnelling_sends_to_its_own_host() -> None:
     forwarding = urllib3.ProxyManager("https://127.0.0.1:3128", use_forwarding_for_https=True)
     pool = forwarding.connection_from_url("https://127.0.0.1:8443/")
     assert hook._destination(pool, "https://other/") == ("https", "other", 443)
+    assert hook._destination(pool, "/v1/models") == ("https", "127.0.0.1", 8443)  # a path: its own
 
 
 def test_a_calls_url_and_headers_are_found_and_replaced_by_position_or_by_name() -> None:
@@ -259,3 +289,105 @@ def test_requests_headers_sent_through_the_hook_reach_urllib3_as_requests_header
         assert session.get(f"{dynamo.url}/v1/models", headers={"X-Mine": "1"}, timeout=10).ok
     [arrived] = dynamo.requests
     assert arrived.get("x-dynamo-session-id") == traj.session_id and arrived.get("X-Mine") == "1"
+
+
+@pytest.fixture
+def proxy() -> Iterator[RecordingProxy]:
+    with RecordingProxy() as running:
+        yield running
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "otel_session"]
+
+
+def test_a_forwarded_request_outside_a_trajectory_is_told_for_its_urls_router(
+    dynamo: Recorder, proxy: RecordingProxy, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(_hop, "untold", True)
+    monkeypatch.setattr(_metrics, "recording", lambda: False)
+    caplog.set_level(logging.WARNING, "otel_session")
+    pool = urllib3.ProxyManager(proxy.url).connection_from_url(dynamo.url)
+    assert pool.urlopen("GET", f"{dynamo.url}/x", assert_same_host=False).status == 200
+    [said] = _said(caplog)
+    assert said.startswith(f"otel-session: a request to dynamo router {dynamo.authority} was sent outside")
+    assert not dynamo.requests[0].names() & {"x-dynamo-session-id", "baggage"}
+
+
+def test_a_forwarded_request_outside_a_trajectory_is_counted_for_its_urls_router(
+    dynamo: Recorder, proxy: RecordingProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    counted = Recording()
+    monkeypatch.setattr(_hop, "untold", False)
+    monkeypatch.setattr(_metrics, "recording", lambda: True)
+    monkeypatch.setattr(_metrics, "requests", counted)
+    pool = urllib3.ProxyManager(proxy.url).connection_from_url(dynamo.url)
+    assert (
+        pool.urlopen("GET", f"{dynamo.url}/x", headers={"X-Mine": "1"}, assert_same_host=False).status == 200
+    )
+    [(_, attributes)] = counted.added
+    assert (attributes["server.port"], attributes["otel_session.session"]) == (dynamo.port, False)
+
+
+def test_a_url_urllib3_refuses_is_refused_as_without_us_and_our_failure_reported_once(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    monkeypatch.setattr(_faults, "_reported", set())
+    monkeypatch.setattr(_hop, "untold", True)
+    caplog.set_level(logging.WARNING, "otel_session")
+    pool = urllib3.ProxyManager("http://127.0.0.1:3128").connection_from_url(dynamo.url)
+    with pytest.raises(urllib3.exceptions.LocationParseError):
+        pool.urlopen("GET", "http://[::1/", retries=False)
+    with otel_session.trajectory(), pytest.raises(urllib3.exceptions.LocationParseError):
+        pool.urlopen("GET", "http://[::1/", retries=False)
+    assert [line.partition(";")[0] for line in _said(caplog)] == [
+        "otel-session: reading a request's destination failed (LocationParseError)",
+        "otel-session: adding session headers to a request failed (LocationParseError)",
+    ]
+
+
+def test_a_hop_puts_back_the_one_under_way_and_a_new_thread_starts_with_none(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    pool = urllib3.HTTPConnectionPool("127.0.0.1", dynamo.port, headers={"X-Pool": "1"})
+    under_way = (object(), None, ())
+    hook._sending.hop = under_way
+    try:
+        with otel_session.trajectory() as traj:
+            assert pool.urlopen("GET", "/x").status == 200  # no headers of the call: the pool's
+        assert hook._sending.hop is under_way
+    finally:
+        hook._sending.hop = None
+    sessions: list[str | None] = []
+
+    def in_a_thread() -> None:
+        with otel_session.trajectory() as fresh:
+            sessions.append(fresh.session_id)
+            pool.urlopen("GET", "/y")
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join(30)
+    first, second = dynamo.requests
+    assert first.get("x-dynamo-session-id") == traj.session_id and first.get("X-Pool") == "1"
+    assert second.get("x-dynamo-session-id") == sessions[0] and second.get("X-Pool") == "1"
+
+
+def test_a_callers_own_baggage_to_another_host_is_left_as_set_where_ours_is_the_only_propagator(
+    dynamo: Recorder, other: Recorder
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(SessionPropagator())
+    try:
+        with otel_session.trajectory() as traj:
+            mine = {"baggage": f"session.id={traj.session_id}"}
+            assert (
+                urllib3.HTTPConnectionPool("127.0.0.2", other.port).urlopen("GET", "/", headers=mine).status
+                == 200
+            )
+    finally:
+        propagate.set_global_textmap(before)
+    assert other.requests[0].get("baggage") == f"session.id={traj.session_id}"
