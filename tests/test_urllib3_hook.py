@@ -18,6 +18,8 @@ import pytest
 import requests
 import urllib3
 from opentelemetry import propagate
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.propagators.composite import CompositePropagator
 from requests.structures import CaseInsensitiveDict
 
 import otel_session
@@ -391,3 +393,21 @@ def test_a_callers_own_baggage_to_another_host_is_left_as_set_where_ours_is_the_
     finally:
         propagate.set_global_textmap(before)
     assert other.requests[0].get("baggage") == f"session.id={traj.session_id}"
+
+
+def test_our_values_a_stock_propagator_copied_into_requests_headers_are_taken_back_from_another_host(
+    dynamo: Recorder, other: Recorder
+) -> None:
+    """Composed with stock propagators, ours is not the only one that may have written the session
+    into the caller's headers: what is recognisably ours is taken back before another host sees it."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([W3CBaggagePropagator(), SessionPropagator()]))
+    try:
+        with otel_session.trajectory() as traj:
+            copied = {"baggage": f"session.id={traj.session_id}", "X-Mine": "1"}
+            assert requests.get(f"{other.url}/", headers=copied, timeout=10).ok
+    finally:
+        propagate.set_global_textmap(before)
+    [arrived] = other.requests
+    assert arrived.get("X-Mine") == "1" and arrived.get("baggage") is None, arrived.headers
