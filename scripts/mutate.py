@@ -66,6 +66,8 @@ _HOP_TESTS = (
     "tests/test_delivery.py",
 )
 _EVIDENCE_TESTS = (
+    "tests/test_evidence_rules.py",
+    "tests/test_verdicts_rules.py",
     "tests/test_metrics_rules.py",
     "tests/test_evidence.py",
     "tests/test_crowding.py",
@@ -83,6 +85,17 @@ _CLIENT_TESTS = (
     "tests/test_retries.py",
     "tests/test_transparent.py",
 )
+# The machinery the client hooks share: its own rules and the walks over every real target, all
+# in-process and quick (the client files above start loopback servers: minutes per surviving mutant).
+_BASE_TESTS = (
+    "tests/test_hook_base.py",
+    "tests/test_transparent.py",
+    "tests/test_instrumentors.py",
+    "tests/test_late_import.py",
+)
+# The urllib3 hook: its own rules, then requests and urllib3 end to end over loopback (the files of
+# _CLIENT_TESTS never send through urllib3 but test_leaks' two calls, and cost minutes per survivor).
+_URLLIB3_TESTS = ("tests/test_urllib3_hook.py", "tests/test_requests_client.py", "tests/test_transparent.py")
 MODULES: dict[str, tuple[str, ...]] = {
     "_policy": _RULES_TESTS,
     "_hosts": _RULES_TESTS,
@@ -107,10 +120,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_verdicts": _EVIDENCE_TESTS,
     "_metrics": _EVIDENCE_TESTS,
     "_crowding": _EVIDENCE_TESTS,
-    "instrumentation._base": _CLIENT_TESTS,
+    "instrumentation._base": _BASE_TESTS,
     "instrumentation.httpx": _CLIENT_TESTS,
     "instrumentation.aiohttp_client": _CLIENT_TESTS,
-    "instrumentation.urllib3_client": _CLIENT_TESTS,
+    "instrumentation.urllib3_client": _URLLIB3_TESTS,
 }
 SEED = 20261205
 COPIED = ("otel_session", "tests", "benchmarks", "pyproject.toml", "setup.py")
