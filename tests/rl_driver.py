@@ -9,6 +9,7 @@ and reads back the driver's report, every request the engine got, and which work
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +36,25 @@ class Run:
     workers: dict[str, int]  # Dynamo's request id -> the worker that served it
 
 
+def _missing(why: str) -> None:
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{why}: run scripts/rl_venv")
+    pytest.skip(f"{why}: run scripts/rl_venv")
+
+
 @pytest.fixture(scope="module")
 def rl_venv() -> None:
     """Skips (fails under scripts/test) where ``.venv-rl`` was not made."""
     if not (VENV / "bin" / "opentelemetry-instrument").exists():
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
-        pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+        _missing("the RL frameworks' venv (.venv-rl) is missing")
+
+
+def require_in_rl_venv(module: str) -> None:
+    """Skips (fails under scripts/test) where ``.venv-rl`` lacks ``module``: one made before it was added."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
+    found = subprocess.run([str(VENV / "bin" / "python"), "-c", probe, module], timeout=60, check=False)
+    if found.returncode != 0:
+        _missing(f"the RL frameworks' venv (.venv-rl) has no {module}")
 
 
 def run_driver(

@@ -18,13 +18,20 @@ assertions this reuses: 2 prompts x 2 generations, each rollout 3 turns (2 ``adv
 
 from __future__ import annotations
 
+import pytest
+
 from otel_session.dynamo import LocalDynamo
 from tests.engine_adapter import STEPS
 from tests.gym_servers import ROOT
-from tests.rl_driver import NOTICE, OURS, Run, run_driver
+from tests.rl_driver import NOTICE, OURS, Run, require_in_rl_venv, run_driver
 from tests.test_trl import QUIET, assert_rollout_sessions
 
 DRIVER = ROOT / "tests" / "trl_cases" / "openenv_driver.py"
+
+
+@pytest.fixture(scope="module")
+def openenv_venv(rl_venv: None) -> None:
+    require_in_rl_venv("openenv")
 
 
 def run_openenv(stack: LocalDynamo, **env: str) -> Run:
@@ -43,7 +50,7 @@ def assert_harness_ran(run: Run) -> None:
 
 
 def test_each_harness_rollout_is_one_session_on_one_worker_and_each_group_one_parent(
-    rl_venv: None, dynamo_stack_generate: LocalDynamo
+    openenv_venv: None, dynamo_stack_generate: LocalDynamo
 ) -> None:
     run = run_openenv(dynamo_stack_generate)
     assert_harness_ran(run)
@@ -53,7 +60,7 @@ def test_each_harness_rollout_is_one_session_on_one_worker_and_each_group_one_pa
 
 
 def test_without_the_preset_no_harness_rollout_carries_a_session(
-    rl_venv: None, dynamo_stack_generate: LocalDynamo
+    openenv_venv: None, dynamo_stack_generate: LocalDynamo
 ) -> None:
     """The control: ``otel_session_trl`` turned off, the same run opens no attempt, so no session, and
     Dynamo's round-robin spreads the turns over its workers."""
