@@ -13,8 +13,8 @@ import otel_session
 from tests.recorder import Recorder
 
 # The real local Dynamo stacks: dynamo_stack, dynamo_stack_generate, dynamo_stack_no_affinity, and
-# local_dynamo_factory for others.
-pytest_plugins = ["tests.dynamo_fixtures"]
+# local_dynamo_factory for others; rl_venv, for the RL frameworks' venv.
+pytest_plugins = ["tests.dynamo_fixtures", "tests.rl_driver"]
 
 # The full tier only: modules that start real Dynamo, the routers, Phoenix, NeMo-Gym's venv or
 # subprocesses under opentelemetry-instrument, or wait out timeouts on purpose. Everything else (pure
@@ -25,7 +25,7 @@ SLOW_MODULES = frozenset(
         "test_evidence_dynamo", "test_gym_e2e",
         "test_nemo_gym", "test_nemo_rl", "test_nemo_rl_boundaries", "test_overhead_benchmark", "test_phoenix",
         "test_readme", "test_routers", "test_session_end", "test_thunderagent", "test_tools_newcomer",
-        "test_areal", "test_rllm", "test_trl", "test_verifiers", "test_zerocode",
+        "test_areal", "test_rllm", "test_trl", "test_trl_openenv", "test_verifiers", "test_zerocode",
     }
 )  # fmt: skip
 SLOW_FIXTURES = frozenset(

@@ -96,6 +96,7 @@ class DynamoAdapter(Served):
     dynamo: LocalDynamo
     model_dir: Path
     marker: str = "<tool_response>"
+    tool: str = "step"  # the tool TRL's scripted turns call
     host: str = "127.0.0.1"
     port: int = 0
     turns: list[Turn] = field(default_factory=list)
@@ -108,9 +109,9 @@ class DynamoAdapter(Served):
         return self._tokenizer
 
     def script(self, steps_done: int) -> list[int]:
-        """TRL's scripted turn: a ``step`` tool call until the rollout holds ``STEPS`` tool results."""
+        """TRL's scripted turn: a ``tool`` call until the rollout holds ``STEPS`` tool results."""
         if steps_done < STEPS:
-            call = json.dumps({"name": "step", "arguments": {"n": steps_done + 1}})
+            call = json.dumps({"name": self.tool, "arguments": {"n": steps_done + 1}})
             text = f"<tool_call>\n{call}\n</tool_call><|im_end|>"
         else:
             text = "done<|im_end|>"

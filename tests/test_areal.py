@@ -19,55 +19,22 @@ comes from the frontend's log.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
 
-import pytest
-
-from otel_session.dynamo import LocalDynamo, ensure_model_dir
-from tests.engine_adapter import DynamoAdapter, Turn
+from otel_session.dynamo import LocalDynamo
+from tests.engine_adapter import Turn
 from tests.gym_servers import ROOT
-from tests.support import run_zero_code
+from tests.rl_driver import NOTICE, OURS, Run, run_driver
 
-VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "areal_cases" / "driver.py"
-REQUIRE_ENV = "OTEL_SESSION_REQUIRE_GYM"  # set by scripts/test: a missing venv fails, never skips
-OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
-NOTICE = "was sent outside any trajectory"
 MAX_TURNS = 3
 AMENDED = "Your answer is either wrong"  # what MultiTurnWorkflow adds to the prompt after each turn
 
 
-@dataclass
-class Run:
-    report: dict[str, Any]
-    stderr: str
-    turns: list[Turn]
-    workers: dict[str, int]  # Dynamo's request id -> the worker that served it
-
-
-@pytest.fixture(scope="module")
-def rl_venv() -> None:
-    if not (VENV / "bin" / "opentelemetry-instrument").exists():
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
-        pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
-
-
-def run_driver(stack: LocalDynamo, **env: str) -> Run:
-    model_dir = ensure_model_dir()
-    with DynamoAdapter(dynamo=stack, model_dir=model_dir, marker=AMENDED) as engine:
-        report, stderr = run_zero_code(
-            [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
-             engine.authority, str(model_dir)],
-            dynamo=engine.authority,
-            env={"HF_HUB_OFFLINE": "1"} | env,
-            timeout=180,
-            drop=("OTEL_", "PYTHON", "VIRTUAL_ENV"),
-        )  # fmt: skip
-        return Run(report, stderr, list(engine.turns), engine.workers())
+def run_areal(stack: LocalDynamo, **env: str) -> Run:
+    return run_driver(
+        stack, DRIVER, address=lambda engine: engine.authority, env=env, marker=AMENDED, timeout=180
+    )
 
 
 def assert_areal_ran(run: Run) -> None:
@@ -82,7 +49,7 @@ def assert_areal_ran(run: Run) -> None:
 def test_each_episode_is_one_session_on_one_worker_and_each_prompts_siblings_one_parent(
     rl_venv: None, dynamo_stack_generate: LocalDynamo
 ) -> None:
-    run = run_driver(dynamo_stack_generate)
+    run = run_areal(dynamo_stack_generate)
     assert_areal_ran(run)
     sessions: dict[str | None, list[Turn]] = defaultdict(list)
     for turn in run.turns:
@@ -109,7 +76,7 @@ def test_without_the_preset_no_episode_carries_a_session(
 ) -> None:
     """The control: ``otel_session_areal`` turned off, the same run opens no attempt, so no session, and
     Dynamo's round-robin spreads an episode's turns over its workers."""
-    run = run_driver(dynamo_stack_generate, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_areal")
+    run = run_areal(dynamo_stack_generate, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_areal")
     assert_areal_ran(run)
     assert not any(t.get("x-dynamo-session-id") for t in run.turns)
     assert len({run.workers[str(t.request_id)] for t in run.turns}) > 1, run.workers

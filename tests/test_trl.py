@@ -19,59 +19,32 @@ TRL's ``is_vllm_available`` check in the parent, answered True (the driver says 
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
-import pytest
-
-from otel_session.dynamo import LocalDynamo, ensure_model_dir
-from tests.engine_adapter import STEPS, DynamoAdapter, Turn
+from otel_session.dynamo import LocalDynamo
+from tests.engine_adapter import STEPS, Turn
 from tests.gym_servers import ROOT
 from tests.recorder import Recorder, Seen
-from tests.support import run_zero_code
+from tests.rl_driver import NOTICE, OURS, Run, run_driver
 
-VENV = ROOT / ".venv-rl"
 DRIVER = ROOT / "tests" / "trl_cases" / "driver.py"
-REQUIRE_ENV = "OTEL_SESSION_REQUIRE_GYM"  # set by scripts/test: a missing venv fails, never skips
-OURS = {"x-dynamo-session-id", "x-dynamo-parent-session-id", "baggage", "traceparent", "tracestate"}
-NOTICE = "was sent outside any trajectory"
 QUIET = {"TRL_EXPERIMENTAL_SILENCE": "1"}  # TRL's warning that trl.experimental may change
 
 
 @dataclass
-class Run:
-    report: dict[str, Any]
-    stderr: str
-    turns: list[Turn]
-    tools: list[Seen]
-    workers: dict[str, int]  # Dynamo's request id -> the worker that served it
+class TrlRun(Run):
+    tools: list[Seen]  # what the tool server got
 
 
-@pytest.fixture(scope="module")
-def rl_venv() -> None:
-    if not (VENV / "bin" / "opentelemetry-instrument").exists():
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
-        pytest.skip("the RL frameworks' venv (.venv-rl) is missing: run scripts/rl_venv")
+def run_trl(stack: LocalDynamo, **env: str) -> TrlRun:
+    with Recorder(host="127.0.0.2") as tools:
+        run = run_driver(stack, DRIVER, address=lambda engine: engine.url,
+                         env={"TRL_CASE_TOOL_URL": f"{tools.url}/tool", **QUIET, **env})  # fmt: skip
+        return TrlRun(run.report, run.stderr, run.turns, run.workers, list(tools.requests))
 
 
-def run_driver(stack: LocalDynamo, **env: str) -> Run:
-    model_dir = ensure_model_dir()
-    with DynamoAdapter(dynamo=stack, model_dir=model_dir) as engine, Recorder(host="127.0.0.2") as tools:
-        report, stderr = run_zero_code(
-            [str(VENV / "bin" / "opentelemetry-instrument"), str(VENV / "bin" / "python"), str(DRIVER),
-             engine.url, str(model_dir)],
-            dynamo=engine.authority,
-            env={"TRL_CASE_TOOL_URL": f"{tools.url}/tool", "HF_HUB_OFFLINE": "1", **QUIET} | env,
-            timeout=240,
-            drop=("OTEL_", "PYTHON", "VIRTUAL_ENV"),
-        )  # fmt: skip
-        return Run(report, stderr, list(engine.turns), list(tools.requests), engine.workers())
-
-
-def assert_trl_ran(run: Run) -> None:
+def assert_trl_ran(run: TrlRun) -> None:
     """TRL's own loop did the work: 2 whole groups of 2 scored samples, each rollout with its 2 tool calls."""
     samples = run.report["samples"]
     assert sorted(s["group_id"] for s in samples) == [0, 0, 1, 1], samples
@@ -81,19 +54,20 @@ def assert_trl_ran(run: Run) -> None:
     assert len(run.tools) >= 4 * STEPS
 
 
-def test_each_rollout_is_one_session_on_one_worker_and_each_group_one_parent(
-    rl_venv: None, dynamo_stack_generate: LocalDynamo
-) -> None:
-    run = run_driver(dynamo_stack_generate)
-    assert_trl_ran(run)
+def assert_rollout_sessions(run: Run) -> None:
+    """Each rollout one session on one worker, each group's siblings (groups:2) under one parent of their
+    own, and nothing of ours on the engine's requests but Dynamo's two headers. The worker's loop keeps
+    starting groups until it is stopped: the first 4 rollouts (2 groups, opened at once) are whole."""
     by_session: dict[str | None, list[Turn]] = defaultdict(list)
     for turn in run.turns:
         by_session[turn.get("x-dynamo-session-id")].append(turn)
     assert None not in by_session, [t.headers for t in by_session.get(None, [])]  # an ID on every request
-    first = {run.turns[i].get("x-dynamo-session-id") for i in range(4)}  # the first 2 groups, opened at once
+    # The first 2 groups, opened at once: the first 4 opening turns (a fast rollout's second turn may come
+    # before a slow one's first; no fifth rollout opens before one of them is done).
+    first = {t.get("x-dynamo-session-id") for t in [t for t in run.turns if t.turn == 0][:4]}
     assert len(first) == 4, first
     parents: dict[str | None, set[tuple[str | None, int]]] = defaultdict(set)
-    for session, turns in by_session.items():  # the worker's loop keeps starting groups until it is stopped
+    for session, turns in by_session.items():
         done = sorted(t.turn for t in turns)  # one conversation, whole for the scored ones
         assert done == list(range(STEPS + 1 if session in first else len(done))), (session, turns)
         served = {run.workers.get(str(t.request_id)) for t in turns}  # a turn cut off by stop() has none
@@ -112,9 +86,17 @@ def test_each_rollout_is_one_session_on_one_worker_and_each_group_one_parent(
             "x-dynamo-session-id",
             "x-dynamo-parent-session-id",
         }
+    assert "does not resolve" not in run.stderr and NOTICE not in run.stderr, run.stderr[-3000:]
+
+
+def test_each_rollout_is_one_session_on_one_worker_and_each_group_one_parent(
+    rl_venv: None, dynamo_stack_generate: LocalDynamo
+) -> None:
+    run = run_trl(dynamo_stack_generate)
+    assert_trl_ran(run)
+    assert_rollout_sessions(run)
     for seen in run.tools:  # the tool server is no router and not trusted: nothing of ours
         assert not seen.names() & OURS, seen.headers
-    assert "does not resolve" not in run.stderr and NOTICE not in run.stderr, run.stderr[-3000:]
 
 
 def test_without_the_preset_no_rollout_carries_a_session(
@@ -122,7 +104,7 @@ def test_without_the_preset_no_rollout_carries_a_session(
 ) -> None:
     """The control: the same run with ``otel_session_trl`` turned off has no attempt, so no session, and
     Dynamo's round-robin spreads the turns over its workers."""
-    run = run_driver(dynamo_stack_generate, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_trl")
+    run = run_trl(dynamo_stack_generate, OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="otel_session_trl")
     assert_trl_ran(run)
     assert not any(t.get("x-dynamo-session-id") for t in run.turns)
     assert len(set(run.workers.values())) > 1, run.workers
