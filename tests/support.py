@@ -110,6 +110,7 @@ class DynamoProxy:
     table_full: bool = False
     requests: list[Forwarded] = field(default_factory=list)
     balance: Sequence[str] = ()
+    health_reads: int = 0  # GET /health (otel-session reading the fleet's size): forwarded, not recorded
     _server: AiohttpServer | None = None
 
     def _app(self) -> web.Application:
@@ -123,6 +124,10 @@ class DynamoProxy:
         async def forward(request: web.Request) -> web.Response:
             body = await request.read()
             headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP)
+            if request.path == "/health":  # not a request of the driver's: the library's own look
+                self.health_reads += 1
+                async with request.app[client_key].get(f"{self.upstream}/health") as upstream:
+                    return web.Response(status=upstream.status, body=await upstream.read())
             seen = Forwarded(request.method, request.path, list(headers.items()), body)
             self.requests.append(seen)
             if self.fail_once is not None and self.fail_once(seen):
