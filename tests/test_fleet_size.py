@@ -15,8 +15,10 @@ import httpx
 import pytest
 
 import otel_session
-from otel_session import SESSION_HEADER, _fleet
+from otel_session import SESSION_HEADER, _faults, _fleet
 from tests.recorder import Recorder
+
+_START = threading.Thread.start
 
 
 @pytest.mark.parametrize(
@@ -135,3 +137,78 @@ def test_no_request_waits_for_a_health_that_is_slow(dynamo: Recorder) -> None:
     assert time.monotonic() - began < 1.5 and len(dynamo.requests) == 3
     assert {seen.get(SESSION_HEADER) for seen in dynamo.requests} == {None}
     assert _wait_known(dynamo.url) == 4
+
+
+def test_the_read_is_one_get_of_json_in_a_daemon_thread_of_its_own(dynamo: Recorder) -> None:
+    dynamo.instances, dynamo.health_delay = 2, 1.0
+    _fleet.size_at(("http", dynamo.host, dynamo.port))
+    deadline = time.monotonic() + 5
+    reader = None
+    while reader is None and time.monotonic() < deadline:
+        reader = next((t for t in threading.enumerate() if t.name == "otel-session-fleet"), None)
+        time.sleep(0.01)
+    assert reader is not None and reader.daemon  # never holds the interpreter at exit
+    assert _wait_known(dynamo.url) == 2
+    (headers,) = dynamo.health_reads
+    assert headers.get("accept") == "application/json"
+
+
+def test_the_largest_fleet_counts_only_routers_that_list_workers(dynamo: Recorder) -> None:
+    dynamo.instances = 3
+    with Recorder() as unlisted:
+        _fleet.size_at(("http", unlisted.host, unlisted.port), tell=False)
+        assert _wait_known(unlisted.url) == _fleet.UNREADABLE and _fleet.largest() is None
+        _fleet.size_at(("http", dynamo.host, dynamo.port))
+        assert _wait_known(dynamo.url) == 3 and _fleet.largest() == 3
+
+
+def test_routers_are_named_as_a_url_would_name_them() -> None:
+    assert _fleet._shown(("http", "::1", 8000)) == "http://[::1]:8000"
+    assert _fleet._shown(("https", "router.local", None)) == "https://router.local"
+
+
+def test_the_line_for_a_router_without_a_list_says_what_and_what_to_do(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _fleet.size_at(("http", dynamo.host, dynamo.port))
+        _wait_known(dynamo.url)
+    (line,) = [r.getMessage() for r in caplog.records if "/health" in r.getMessage()]
+    assert line == (
+        f"otel-session: sibling groups cannot be sized to the fleet of the router at {dynamo.url}: its "
+        "/health lists no workers (it lists no instance serving generate), so siblings there share a "
+        "parent two by two (groups:2); set OTEL_SESSION_SIBLINGS=groups:K as `otel-session doctor` "
+        "sizes it"
+    )
+
+
+def test_routers_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fleet, "ORIGINS_KEPT", 2)
+    with Recorder() as one, Recorder() as two, Recorder() as three:
+        for router in (one, two):
+            _fleet.size_at(("http", router.host, router.port), tell=False)
+            _wait_known(router.url)
+        _fleet.size_at(("http", two.host, two.port), tell=False)  # fresh: read again it would not be
+        assert set(_fleet.known()) == {one.url, two.url}
+        _fleet.size_at(("http", three.host, three.port), tell=False)
+        assert _wait_known(three.url) == _fleet.UNREADABLE and set(_fleet.known()) == {three.url}
+
+
+def test_a_thread_that_cannot_start_is_reported_once_and_tried_again(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dynamo.instances = 2
+    origin = ("http", dynamo.host, dynamo.port)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_faults, "_reported", set())  # reported once per process: start afresh
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        assert _fleet.size_at(origin) is None and _fleet.size_at(origin) is None
+        monkeypatch.setattr(threading.Thread, "start", _START)
+    lines = [r.getMessage() for r in caplog.records if "fleet size" in r.getMessage()]
+    assert len(lines) == 1 and "starting the read of a router's fleet size failed (RuntimeError)" in lines[0]
+    _fleet.size_at(origin)  # no read left marked as running: this one starts
+    assert _wait_known(dynamo.url) == 2

@@ -221,11 +221,12 @@ def test_an_attempt_keeps_its_choice_for_every_turn(dynamo: Recorder) -> None:
     """One attempt's turns never mix pinned and unpinned: the choice is made at its first request."""
     dynamo.instances = 4
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
-    with otel_session.trajectory(group="g"):
+    with otel_session.trajectory(group="g") as withheld:
         httpx.post(f"{dynamo.url}/a/0/v1/chat/completions", json={"messages": []}, timeout=10)
         _wait_for_size(dynamo)
         httpx.post(f"{dynamo.url}/a/0/v1/chat/completions", json={"messages": []}, timeout=10)
     assert _attempts(dynamo) == {("a", "0"): (None, None)}
+    assert withheld.parent_session_id is None  # withheld: no parent named anywhere
     dynamo.clear()
     with otel_session.trajectory(group="g"):
         for _ in range(3):
@@ -358,6 +359,9 @@ def test_one_sibling_per_worker_names_no_parent_only_when_sized() -> None:
     assert fixed is not None and fixed[0] is not None and fixed[1].size == 1 and not fixed[1].sized
     unread = _siblings.join("u", Siblings.parse("auto"), _siblings.UNREADABLE)
     assert unread is not None and unread[1].size == 2 and not unread[1].sized
-    for ticket in (auto, fixed, unread):
+    _siblings.forget_shape()
+    unsized = _siblings.join("n", Siblings.parse("auto"), 8)  # no step seen: pairs, not sized
+    assert unsized is not None and unsized[1].size == 2 and not unsized[1].sized and unsized[0]
+    for ticket in (auto, fixed, unread, unsized):
         _siblings.leave(ticket[1])
     assert open_groups() == 0
