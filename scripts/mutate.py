@@ -106,6 +106,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_siblings": _SIBLINGS_TESTS,
     "_prompts": _SIBLINGS_TESTS,
     "_group_keys": ("tests/test_group_keys.py", "tests/test_boundaries_groups.py"),
+    "_fleet": ("tests/test_fleet_size.py", "tests/test_siblings_fleet.py"),
     "_trajectory": _ATTEMPT_TESTS,
     "_hop": _HOP_TESTS,
     "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),

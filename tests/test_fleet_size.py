@@ -212,3 +212,18 @@ def test_a_thread_that_cannot_start_is_reported_once_and_tried_again(
     assert len(lines) == 1 and "starting the read of a router's fleet size failed (RuntimeError)" in lines[0]
     _fleet.size_at(origin)  # no read left marked as running: this one starts
     assert _wait_known(dynamo.url) == 2
+
+
+def test_a_router_read_again_is_said_once(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_fleet, "REREAD", 0.0)
+    origin = ("http", dynamo.host, dynamo.port)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        for reads in (1, 2):
+            _fleet.size_at(origin)
+            deadline = time.monotonic() + 10
+            while len(dynamo.health_reads) < reads or origin in _fleet._reading:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+    assert len([r for r in caplog.records if "lists no workers" in r.getMessage()]) == 1
