@@ -40,7 +40,7 @@ TTL_CAUSE = (
 )
 SIBLINGS_FIX = (
     "siblings='groups:3' puts many siblings under one parent, which the router binds to one worker: "
-    "use the default, configure(siblings='groups:2') (OTEL_SESSION_SIBLINGS), or 'attempt'"
+    "use configure(siblings='groups:2') (OTEL_SESSION_SIBLINGS), or 'attempt'"
 )
 AFFINITY_FIX = (
     "on a single kv-routing frontend, which sees every worker's cache, drop session affinity (start it "
