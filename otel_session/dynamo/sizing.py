@@ -202,6 +202,7 @@ LAYOUTS = ("kv", "unaware")
 STEP_OFF = "1.05x"  # kv, the default's headers, affinity off (GRPO; routing ignores the header)
 STEP_DEFAULT_ON = "1.31x"  # kv + siblings paired (groups:2, auto's first step), affinity on (GRPO)
 STEP_GROUPED_ON = "0.60x"  # kv + one group per worker (auto from the second step, fleet), affinity on
+STEP_FRONTENDS_ON = "1.7-2.4x"  # 3 frontends behind nginx, the default, affinity on (GRPO, 1 run)
 STEP_RR = "1.51x"  # round-robin, no header (GRPO)
 STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
@@ -248,7 +249,9 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         "worker's cache holds its group's shared prompt and contexts, and the step measured "
         f"{STEP_GROUPED_ON} kv routing alone's; in the first step it pairs them ({STEP_DEFAULT_ON}), "
         "which OTEL_SESSION_SIBLINGS=fleet avoids by sending that step without sessions (kv routing "
-        f"alone's step), and OTEL_SESSION_SIBLINGS={grouping} by fixing K from the start"
+        f"alone's step), and OTEL_SESSION_SIBLINGS={grouping} by fixing K from the start; all this on "
+        "one frontend: behind several, leave affinity off (each binds parents on its own: "
+        f"{STEP_FRONTENDS_ON})"
     )
     unaware = (
         "round-robin or random routing cannot see the caches: run --router-mode kv instead "
