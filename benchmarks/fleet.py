@@ -41,7 +41,9 @@ The arms (what the frontend runs, what otel-session sends):
                            tests/test_session_end.py); longer tool pauses also unpin mid-attempt
     rr+attempt, rr+default round-robin with sessions
     3fe:..., 3fe-hash:...  three frontend replicas over the same workers behind nginx, round-robin
-                           or hashing X-Dynamo-Session-ID consistently
+                           or hashing X-Dynamo-Session-ID consistently; 3fe-parent: hashing the
+                           parent session where a request names one (a sibling group reaches one
+                           frontend), else the session; -sync: --router-replica-sync
 
 Arms of one repeat see the same text on a cold fleet; repeats use new text and rotate the arms'
 order. Per run: the step's makespan (first request sent to last response: a GRPO step waits for its
@@ -111,7 +113,7 @@ class Arm:
     affinity_ttl: int | None = AFFINITY_TTL  # None: affinity off at the frontend (the header is ignored)
     frontend_args: tuple[str, ...] = ()
     frontends: int = 1  # more than one: replicas behind nginx, balancing as below
-    balancer: str = "rr"  # "rr": round-robin, "hash": consistent hashing on X-Dynamo-Session-ID
+    balancer: harness.Balancer = "rr"  # "rr", "hash" (X-Dynamo-Session-ID), "parent" (parent, else session)
     name_group: bool = True  # trajectory(group=prompt); False: a plain trajectory(), the group inferred
 
     @property
@@ -121,11 +123,12 @@ class Arm:
             affinity_ttl=self.affinity_ttl,
             mode="soft" if self.mode == "soft" else "hard",
             frontends=self.frontends,
-            balancer="hash" if self.balancer == "hash" else "rr",
+            balancer=self.balancer,
             frontend_args=self.frontend_args,
         )
 
 
+_SYNC = ("--router-replica-sync",)  # the frontends share their routers' active-load view
 _BUSY = ("--active-decode-blocks-threshold", "0.85", "--active-prefill-tokens-threshold", "4096")
 ARMS: dict[str, Arm] = {
     arm.name: arm
@@ -154,6 +157,13 @@ ARMS: dict[str, Arm] = {
         Arm("3fe-hash:kv+header/off", "kv", "default", affinity_ttl=None, frontends=3, balancer="hash"),
         Arm("3fe:kv+default", "kv", "default", frontends=3),
         Arm("3fe-hash:kv+default", "kv", "default", frontends=3, balancer="hash"),
+        Arm("3fe-parent:kv+default", "kv", "default", frontends=3, balancer="parent"),
+        Arm("3fe-parent:kv+fleet", "kv", "fleet", frontends=3, balancer="parent"),
+        Arm("3fe-sync:kv", "kv", "none", frontends=3, frontend_args=_SYNC),
+        Arm("3fe-sync:kv+default", "kv", "default", frontends=3, frontend_args=_SYNC),
+        Arm(
+            "3fe-parent-sync:kv+default", "kv", "default", frontends=3, balancer="parent", frontend_args=_SYNC
+        ),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
     )

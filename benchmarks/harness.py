@@ -3,7 +3,8 @@ capacity share it).
 
 - **Stacks**: :func:`stack` starts a real Dynamo stack (frontend replicas and ONE mocker process
   hosting every worker, each worker's KV cache sized in blocks) and, for several frontends, a real
-  nginx in front (:class:`Nginx`: round-robin, or consistent hashing on ``X-Dynamo-Session-ID``).
+  nginx in front (:class:`Nginx`: round-robin, consistent hashing on ``X-Dynamo-Session-ID``, or on
+  ``X-Dynamo-Parent-Session-ID`` where a request has one and the session header where not).
 - **Loads**: :func:`run_load` drives a :class:`otel_session.dynamo.workload.Workload` (the one shape
   of a GRPO step, short or agentic) through the openai SDK while :class:`CpuWatch` samples the cores.
 - **Figures**: :func:`step_figures` (makespan, tokens/s, TTFT percentiles, per-worker crowding) and
@@ -63,6 +64,7 @@ error_log {dir}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
     access_log off;
+{maps}
     client_body_temp_path {dir}/body;
     proxy_temp_path {dir}/proxy;
     fastcgi_temp_path {dir}/fastcgi;
@@ -88,6 +90,17 @@ http {{
 }}
 """
 HASH_DIRECTIVE = "hash $http_x_dynamo_session_id consistent;"
+#: Hashing siblings' common parent where a request names one, so a whole sibling group reaches one
+#: frontend (which binds the parent once), and the session where it does not.
+PARENT_MAP = """\
+    map $http_x_dynamo_parent_session_id $otel_session_key {
+        "" $http_x_dynamo_session_id;
+        default $http_x_dynamo_parent_session_id;
+    }
+"""
+PARENT_HASH_DIRECTIVE = "hash $otel_session_key consistent;"
+HASH_DIRECTIVES = {"hash": HASH_DIRECTIVE, "parent": PARENT_HASH_DIRECTIVE}
+Balancer = Literal["rr", "hash", "parent"]
 
 
 def nginx_binary() -> str | None:
@@ -103,11 +116,12 @@ def _free_port() -> int:
 
 class Nginx:
     """nginx on 127.0.0.1 in front of ``upstreams`` (``host:port``), hashing the session header
-    consistently when ``hash_session`` is true, else round-robin; started and stopped by PID."""
+    consistently when ``hash_session`` is true (``balancer="parent"``: the parent session where a
+    request names one), else round-robin; started and stopped by PID."""
 
-    def __init__(self, upstreams: list[str], *, hash_session: bool) -> None:
+    def __init__(self, upstreams: list[str], *, hash_session: bool, balancer: Balancer | None = None) -> None:
         self.upstreams = upstreams
-        self.hash_session = hash_session
+        self.balancer: Balancer = balancer or ("hash" if hash_session else "rr")
         self.dir: Path | None = None
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -125,7 +139,8 @@ class Nginx:
         servers = "\n".join(f"        server {u};" for u in self.upstreams)
         return NGINX_CONF.format(
             dir=self.dir,
-            hash=HASH_DIRECTIVE if self.hash_session else "# round-robin",
+            maps=PARENT_MAP if self.balancer == "parent" else "",
+            hash=HASH_DIRECTIVES.get(self.balancer, "# round-robin"),
             servers=servers,
             listen=self.host,
         )
@@ -194,7 +209,7 @@ class Deployment:
     affinity_ttl: int | None = 300
     mode: Literal["hard", "soft"] = "hard"
     frontends: int = 1
-    balancer: Literal["rr", "hash"] = "rr"  # in front of several frontends: round-robin or hashing the header
+    balancer: Balancer = "rr"  # in front of several frontends: round-robin, hashing the header or the parent
     frontend_args: tuple[str, ...] = ()
     python: str | None = None  # another Dynamo's interpreter (e.g. 1.3.0.post1's venv)
 
@@ -232,7 +247,7 @@ def stack(
         if deployment.frontends <= 1:
             yield Served(dynamo.base_url, dynamo.hosts, dynamo)
             return
-        with Nginx(dynamo.hosts, hash_session=deployment.balancer == "hash") as nginx:
+        with Nginx(dynamo.hosts, hash_session=False, balancer=deployment.balancer) as nginx:
             yield Served(nginx.base_url, [nginx.host], dynamo)
 
 

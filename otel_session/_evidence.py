@@ -176,8 +176,10 @@ def turn(
         crowded = None
         if worker is not None:
             look = seen.fleet.turn(session, worker, latency, now)
-            if look is not None and message is None:
-                message = _verdicts.crowding(router, seen, look, _siblings_policy())
+            if look is not None and _verdicts.pinning_crowds(seen, look):
+                _hop.pinning_crowds(router)  # ``fleet`` withholds new attempts' sessions there
+                if message is None:
+                    message = _verdicts.crowding(router, seen, look, _siblings_policy())
             crowded = worker in seen.fleet.crowded
     attributes = {**_metrics.router_attributes(router), _metrics.TURN: "later" if later else "first"}
     _metrics.count(_metrics.turns, 1, attributes)
@@ -247,3 +249,4 @@ def forget() -> None:
         routers.clear()
     _metrics.failed.clear()
     _hop.unpinned.clear()
+    _hop.forget_crowding()

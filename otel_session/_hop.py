@@ -153,6 +153,10 @@ class Offered:
             scheme, host, port = destination
             if profile is None or profile.parent_header is None or not host:
                 workers = _siblings.UNREADABLE
+            elif holder.policy.withholds and _metrics.router_of(profile, host, port) in crowded:
+                holder.withhold()
+                _withheld_at(_metrics.router_of(profile, host, port))
+                return self.decided(None, True)
             elif _siblings.needs_fleet_size(holder.policy):
                 workers = _fleet.size_at((scheme, host, port), holder.policy.withholds)
         parent = holder.decide(_prompts.key_of(body), workers)
@@ -238,6 +242,24 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         workers or 0,
         groups,
         siblings,
+    )
+
+
+def _withheld_at(router: _metrics.Router) -> None:
+    """``fleet`` sent an attempt without its session because pinning crowded ``router``'s workers:
+    counted, and said once per router."""
+    if _metrics.recording():
+        _metrics.count(_metrics.sibling_choices, 1, {"otel_session.siblings.choice": "withheld"})
+    with _crowded_lock:
+        if router in _crowded_said:
+            return
+        _crowded_said.add(router)
+    _faults.warn(
+        "otel-session: OTEL_SESSION_SIBLINGS=fleet sends new attempts to %s router %s:%s without their "
+        "session from now on: sessions pinned there crowded a few workers while others idled (a GRPO "
+        "step waits for its slowest trajectory), so kv routing alone places them; unconfigure() and "
+        "configure() again to try pinning anew",
+        *router,
     )
 
 
@@ -358,6 +380,24 @@ def forget() -> None:
     """Drop what was remembered (a forked child starts from a context of its own)."""
     global _last
     _last = None
+
+
+# Routers whose pinned sessions crowded a few workers while others idled (``_evidence``): under
+# ``fleet`` their new attempts go without the session, as under kv routing alone.
+crowded: set[_metrics.Router] = set()
+_crowded_said: set[_metrics.Router] = set()
+_crowded_lock = threading.Lock()
+
+
+def pinning_crowds(router: _metrics.Router) -> None:
+    """The evidence saw pinning cost step time at ``router`` (the routers are the configuration's)."""
+    crowded.add(router)
+
+
+def forget_crowding() -> None:
+    """Drop the routers seen crowded (a new configuration)."""
+    crowded.clear()
+    _crowded_said.clear()
 
 
 UNPINNED_KEPT = 16_384  # sessions remembered: more than any run keeps in flight

@@ -256,6 +256,13 @@ class Inferred:
                         self.parent = None if self.withheld else parent
             return self.parent
 
+    def withhold(self) -> None:
+        """``fleet`` sends this attempt without its session whatever its group (pinning was seen to
+        cost step time at its router): it joins no group, so no later sibling waits on it."""
+        with _decide_lock:
+            if not self.decided:
+                self.decided = self.withheld = True
+
     def release(self) -> None:
         """The attempt ended: its group forgets it (the group itself once its last attempt ends)."""
         with _decide_lock:

@@ -84,14 +84,20 @@ def verdict(router: Router, seen: RouterEvidence) -> str | None:
     )
 
 
+def pinning_crowds(seen: RouterEvidence, look: _crowding.Look) -> bool:
+    """Whether ``look`` shows pinning costing step time: crowded workers while others idle (or turns
+    elsewhere measurably faster), and sessions staying on their workers (else nothing is pinned)."""
+    if not _crowding.costs_step_time(look):
+        return False
+    return seen.pairs >= MIN_PAIRS and seen.switched < SWITCH_ALARM * seen.pairs
+
+
 def crowding(router: Router, seen: RouterEvidence, look: _crowding.Look, siblings: str) -> str | None:
     """The one line saying pinning costs step time at ``router``: sessions held by affinity crowd a
     few workers while others idle, the first time a look shows it (called under ``_lock``); ``None``
     otherwise, and always while affinity is not holding (then nothing is pinned)."""
-    if "crowded" in seen.warned or not _crowding.costs_step_time(look):
+    if "crowded" in seen.warned or not pinning_crowds(seen, look):
         return None
-    if seen.pairs < MIN_PAIRS or seen.switched >= SWITCH_ALARM * seen.pairs:
-        return None  # sessions move between workers: the crowding is not pinning's
     seen.warned.add("crowded")
     workers = ", ".join(f"{worker} ({held} sessions)" for worker, held in sorted(look.crowded.items())[:4])
     idle = f"{look.idle} of the {look.workers} workers seen served none" if look.idle else ""
@@ -106,11 +112,13 @@ def crowding(router: Router, seen: RouterEvidence, look: _crowding.Look, sibling
         )
     else:
         fix = (
-            "on a single kv-routing frontend, which sees every worker's cache, drop session affinity "
-            "(start it without --router-session-affinity-ttl-secs) or use "
-            "--router-session-affinity-mode soft, so a crowded worker's sessions may move; behind several "
-            "frontends keep affinity and spread groups (configure(siblings='attempt'))"
+            "OTEL_SESSION_SIBLINGS=fleet sends new attempts here without their session once this is "
+            "seen; or drop session affinity (start the frontend without "
+            "--router-session-affinity-ttl-secs: kv routing sees every worker's cache), which is what "
+            "several frontends behind one balancer need (each binds parents on its own)"
         )
+        if siblings == "fleet":
+            fix = "fleet now sends new attempts here without their session (the next line)"
     return (
         f"otel-session: pinning costs step time at {router[0]} router {origin(router)}: in the last "
         f"{_crowding.WINDOW:.0f} s, sessions pinned by affinity crowded worker(s) {workers} while "

@@ -38,7 +38,7 @@ def test_one_worker_crowded_while_others_serve_little_is_named_with_the_fix_once
     assert line is not None and "worker(s) 1 (12 sessions)" in line and "siblings='groups:2'" in line
     assert _verdicts.crowding(ROUTER, seen, look, "prompt") is None  # once per router
     other = _verdicts.crowding(ROUTER, _pinned(), look, "groups:2")
-    assert other is not None and "--router-session-affinity-mode soft" in other
+    assert other is not None and "drop session affinity" in other
 
 
 def test_a_balanced_fleet_is_silent() -> None:

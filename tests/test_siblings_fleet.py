@@ -70,7 +70,8 @@ def _attempts(dynamo: Recorder) -> dict[tuple[str, str], tuple[str | None, str |
 
 def _wait_for_size(dynamo: Recorder) -> None:
     deadline = time.monotonic() + 10
-    while not _fleet.known() and time.monotonic() < deadline:
+    origin = ("http", dynamo.host, dynamo.port)
+    while _fleet.size_at(origin) is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _fleet.known(), "the router's /health was never read"
 
@@ -366,3 +367,65 @@ def test_one_sibling_per_worker_names_no_parent_only_when_sized() -> None:
     for ticket in (auto, fixed, unread, unsized):
         _siblings.leave(ticket[1])
     assert open_groups() == 0
+
+
+def _crowd(dynamo: Recorder) -> None:
+    """Turns as the evidence reads them from a router whose pinned sessions crowd one worker of four
+    (12 sessions there, slower) while the others serve one or two each, two turns per session."""
+    from otel_session import _evidence
+
+    router = _evidence.router_for("http", dynamo.host, dynamo.port)
+    assert router is not None
+    for turn in range(2):
+        for worker, sessions in {1: 12, 2: 1, 3: 1, 4: 2}.items():
+            for s in range(sessions):
+                latency = 0.4 if worker == 1 else 0.1
+                prompt = 1000 * (turn + 1)
+                _evidence.turn(f"w{worker}s{s}", router, prompt, prompt - 1000, worker, latency, "m")
+
+
+@pytest.mark.parametrize("policy", ["fleet", "auto"])
+def test_fleet_withholds_sessions_where_pinning_crowded_workers_and_auto_never_does(
+    dynamo: Recorder, gym: Recorder, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Several frontends each bind parents on their own and crowd workers (docs/performance.md):
+    once the evidence sees pinned sessions crowd a few workers while others idle, ``fleet`` sends
+    the next attempts at that router without their session (kv routing alone places them), says
+    so once and counts it; other routers keep theirs, the default keeps the header on every request,
+    and unconfigure() forgets it."""
+    dynamo.instances = gym.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url, gym.url], siblings=policy)
+    for router in (dynamo, gym):
+        _step(router, prompts=2, siblings=4)
+        _wait_for_size(router)
+        router.clear()
+        _step(router, prompts=2, siblings=4)
+        assert None not in {session for session, _ in _attempts(router).values()}  # sized and pinned
+        router.clear()
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _crowd(dynamo)
+        before = support.metric_points()
+        _step(dynamo, prompts=2, siblings=4)
+        _step(gym, prompts=1, siblings=2)
+    withheld = support.metric_delta(
+        before, "otel_session.sibling_choices", otel_session__siblings__choice="withheld"
+    )
+    lines = [r.getMessage() for r in caplog.records if "crowded" in r.getMessage()]
+    assert None not in {session for session, _ in _attempts(gym).values()}  # not that router's crowding
+    if policy == "auto":
+        assert None not in {session for session, _ in _attempts(dynamo).values()}
+        assert withheld == 0
+        assert len(lines) == 1 and "OTEL_SESSION_SIBLINGS=fleet" in lines[0]
+        return
+    assert set(_attempts(dynamo).values()) == {(None, None)}
+    assert withheld == 8
+    said = [line for line in lines if "from now on" in line]
+    assert len(said) == 1 and f"{dynamo.host}:{dynamo.port}" in said[0] and "kv routing alone" in said[0]
+    assert len(lines) == 2 and "fleet now sends" in lines[0]  # the crowding line, then fleet's
+    otel_session.unconfigure()
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings=policy)
+    _step(dynamo, prompts=2, siblings=4)  # a new configuration: the first step again, withheld ...
+    _wait_for_size(dynamo)
+    dynamo.clear()
+    _step(dynamo, prompts=2, siblings=4)
+    assert None not in {session for session, _ in _attempts(dynamo).values()}  # ... then pinned again

@@ -43,11 +43,12 @@ SIBLINGS_FIX = (
     "use configure(siblings='groups:2') (OTEL_SESSION_SIBLINGS), or 'attempt'"
 )
 AFFINITY_FIX = (
-    "on a single kv-routing frontend, which sees every worker's cache, drop session affinity (start it "
-    "without --router-session-affinity-ttl-secs) or use --router-session-affinity-mode soft, so a "
-    "crowded worker's sessions may move; behind several frontends keep affinity and spread groups "
-    "(configure(siblings='attempt'))"
+    "OTEL_SESSION_SIBLINGS=fleet sends new attempts here without their session once this is seen; or "
+    "drop session affinity (start the frontend without --router-session-affinity-ttl-secs: kv routing "
+    "sees every worker's cache), which is what several frontends behind one balancer need (each binds "
+    "parents on its own)"
 )
+FLEET_FIX = "fleet now sends new attempts here without their session (the next line)"
 
 
 def _evidence(**figures: int) -> _verdicts.RouterEvidence:
@@ -235,6 +236,8 @@ def test_crowding_says_what_it_saw(idle: int, slow: float | None, fast: float | 
         ("prompt", SIBLINGS_FIX.replace("'groups:3'", "'prompt'", 1)),
         ("groups:2", AFFINITY_FIX),
         ("attempt", AFFINITY_FIX),
+        ("auto", AFFINITY_FIX),
+        ("fleet", FLEET_FIX),
     ],
 )
 def test_the_crowding_fix_follows_the_siblings_setting(siblings: str, fix: str) -> None:
