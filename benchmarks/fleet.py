@@ -159,6 +159,7 @@ ARMS: dict[str, Arm] = {
         Arm("3fe-hash:kv+default", "kv", "default", frontends=3, balancer="hash"),
         Arm("3fe-parent:kv+default", "kv", "default", frontends=3, balancer="parent"),
         Arm("3fe-parent:kv+fleet", "kv", "fleet", frontends=3, balancer="parent"),
+        Arm("3fe:kv+fleet", "kv", "fleet", frontends=3),
         Arm("3fe-sync:kv", "kv", "none", frontends=3, frontend_args=_SYNC),
         Arm("3fe-sync:kv+default", "kv", "default", frontends=3, frontend_args=_SYNC),
         Arm(
@@ -833,6 +834,9 @@ def main(argv: list[str] | None = None, sink: list[dict[str, Any]] | None = None
         else:
             specs = ISSUE_CELLS if args.cells == "issue" else args.cells.split(",")
             cells = [Cell.parse(spec) for spec in specs]
+            unknown = [a for a in args.arms.split(",") if a not in ARMS]
+            if unknown:
+                parser.error(f"no such arm: {', '.join(unknown)} (the arms: {', '.join(ARMS)})")
             arms = [ARMS[a] for a in args.arms.split(",")]
             repeats = args.repeats
         print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")

@@ -203,6 +203,7 @@ STEP_OFF = "1.05x"  # kv, the default's headers, affinity off (GRPO; routing ign
 STEP_DEFAULT_ON = "1.31x"  # kv + siblings paired (groups:2, auto's first step), affinity on (GRPO)
 STEP_GROUPED_ON = "0.60x"  # kv + one group per worker (auto from the second step, fleet), affinity on
 STEP_FRONTENDS_ON = "1.7-2.4x"  # 3 frontends behind nginx, the default, affinity on (GRPO, 1 run)
+STEP_FRONTENDS_SYNC = "0.72-0.84x"  # 3 frontends, kv alone, with --router-replica-sync (2 runs)
 STEP_RR = "1.51x"  # round-robin, no header (GRPO)
 STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
@@ -251,7 +252,8 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         "which OTEL_SESSION_SIBLINGS=fleet avoids by sending that step without sessions (kv routing "
         f"alone's step), and OTEL_SESSION_SIBLINGS={grouping} by fixing K from the start; all this on "
         "one frontend: behind several, leave affinity off (each binds parents on its own: "
-        f"{STEP_FRONTENDS_ON})"
+        f"{STEP_FRONTENDS_ON}) and run them with --router-replica-sync (kv alone's step "
+        f"{STEP_FRONTENDS_SYNC} of theirs without it)"
     )
     unaware = (
         "round-robin or random routing cannot see the caches: run --router-mode kv instead "
