@@ -17,6 +17,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from otel_session import _faults
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
@@ -56,11 +58,14 @@ class Peer:
             connection.request(method, path, body=body, headers=headers)
             response = connection.getresponse()
             payload = response.read(cap)
+            if response.length and len(payload) < cap:  # the peer closed before the length it announced
+                raise http.client.IncompleteRead(payload, response.length)
         finally:
             connection.close()
         if not 200 <= response.status < 300:
             where = path.split("?")[0]  # a query may hold what a message must not show
-            raise http.client.HTTPException(f"HTTP {response.status} {response.reason} for {method} {where}")
+            reason = _faults.one_line(response.reason, 80)
+            raise http.client.HTTPException(f"HTTP {response.status} {reason} for {method} {where}")
         return payload
 
 

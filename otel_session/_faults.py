@@ -35,6 +35,13 @@ def report(where: str, exc: BaseException) -> None:
     )
 
 
+def one_line(text: str, limit: int = 200) -> str:
+    """``text`` from a peer (a reason phrase, an error naming its bytes) as it may appear in one of
+    our lines: control characters escaped (no line break, no terminal escape), at most ``limit``."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit * 4])
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 def warn(message: str, *args: object, exc_info: BaseException | None = None) -> None:
     """Log one warning line now, or when the enclosing ``deferred()`` ends; never raises."""
     pending: list[_Warning] | None = getattr(_held, "pending", None)

@@ -23,7 +23,7 @@ Origin = tuple[str, str, "int | None"]  # (scheme, host, port) as the client dia
 
 UNREADABLE = 0  # the router's /health gives no instances: its fleet size cannot be known here
 DEADLINE = 5.0  # seconds for one look-up of /health, connect to the last byte
-CAP = 4 * 1024 * 1024  # bytes of /health read at most (a 4,096-worker fleet is about 1 MiB)
+CAP = 16 * 1024 * 1024  # bytes of /health read at most (Dynamo's is ~600 bytes a worker: 27,000 workers)
 REREAD = 60.0  # seconds before a router's size is read again
 ORIGINS_KEPT = 64
 
@@ -73,18 +73,24 @@ def size_at(origin: Origin, tell: bool = True) -> int | None:
     return known[0] if known is not None else None
 
 
-def _read(origin: Origin, loud: bool) -> None:
+def read(origin: Origin, deadline: float) -> tuple[int, str]:
+    """One GET of the router's ``/health``, done by ``deadline``: its workers (``UNREADABLE`` where
+    it lists none or cannot be read) and, where none, why, in words fit for one line."""
     scheme, host, port = origin
-    workers = UNREADABLE
-    reason = ""
     try:
-        body = Peer(scheme, host, port, time.monotonic() + DEADLINE).request(
-            "GET", "/health", None, {"Accept": "application/json"}, CAP
+        body = Peer(scheme, host, port, deadline).request(
+            "GET", "/health", None, {"Accept": "application/json"}, CAP + 1
         )
+        if len(body) > CAP:
+            return UNREADABLE, f"its /health is over {CAP // 2**20} MiB"
         workers = workers_in(json.loads(body))
-        reason = "it lists no instance serving generate"
-    except Exception as exc:  # no /health, not JSON, too slow: the size stays unknown, said once
-        reason = f"{type(exc).__name__}: {exc}"[:200]
+    except Exception as exc:  # no /health, not JSON, too slow: the size stays unknown
+        return UNREADABLE, f"its /health cannot be read ({_faults.one_line(f'{type(exc).__name__}: {exc}')})"
+    return workers, "" if workers else "its /health lists no workers (no instance serving generate)"
+
+
+def _read(origin: Origin, loud: bool) -> None:
+    workers, reason = read(origin, time.monotonic() + DEADLINE)
     with _lock:
         if len(_sizes) >= ORIGINS_KEPT and origin not in _sizes:
             _sizes.clear()
@@ -95,8 +101,8 @@ def _read(origin: Origin, loud: bool) -> None:
             _warned.add(origin)
     if tell:
         _faults.warn(
-            "otel-session: sibling groups cannot be sized to the fleet of the router at %s: its /health "
-            "lists no workers (%s), so siblings there share a parent two by two (groups:2); set "
+            "otel-session: sibling groups cannot be sized to the fleet of the router at %s: %s, so "
+            "siblings there share a parent two by two (groups:2); set "
             "OTEL_SESSION_SIBLINGS=groups:K as `otel-session doctor` sizes it",
             _shown(origin),
             reason,

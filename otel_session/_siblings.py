@@ -114,7 +114,7 @@ class _Group:
 
 
 _groups: dict[GroupKey, _Group] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a key's own __eq__ may open a trajectory on the same thread
 
 
 class _Shape:
@@ -178,16 +178,52 @@ def needs_fleet_size(policy: Siblings) -> bool:
     return policy.withholds or (policy.sized and _shape.siblings)
 
 
-def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[str | None, GroupKey] | None:
-    """The parent session for one more attempt of group ``key`` under ``policy`` and the ticket to
-    ``leave`` with once it ends (``None``: no parent, nothing to leave). Under ``fleet`` the parent is
-    ``None`` where each sibling goes alone and ``WITHHELD`` where the session is not to be sent;
-    ``workers``: the router's fleet size (``_fleet.size_at``)."""
+def key_of(group: Hashable) -> GroupKey | None:
+    """``trajectory(group=...)``'s key, hashed once as its attempt is made; ``None`` where it cannot be
+    hashed (a tuple holding a list, a ``__hash__`` that raises): that attempt then names no parent, and
+    one line says so (the first time), for a key the application got wrong must not end its rollout."""
+    try:
+        return GroupKey(group)
+    except Exception as exc:
+        _bad_key(group, "hashed", exc)
+        return None
+
+
+def _bad_key(key: object, done: str, exc: Exception) -> None:
+    """One line, the first time, for a group key whose own code failed (no traceback: it is theirs)."""
+    with _lock:
+        said, _unhashable[:] = bool(_unhashable), [True]
+    if not said:
+        _faults.warn(
+            "otel-session: a trajectory(group=...) key of type %s cannot be %s (%s); its attempt runs "
+            "under its own session but names no parent, so the router places it alone. Use a str, an "
+            "int or a tuple of those. Logged once per process.",
+            type(key).__name__,
+            done,
+            type(exc).__name__,
+        )
+
+
+_unhashable: list[bool] = []  # said once
+
+
+def join(
+    key: Hashable | GroupKey, policy: Siblings, workers: int | None = None
+) -> tuple[str | None, GroupKey] | None:
+    """The parent session for one more attempt of group ``key`` (a :class:`GroupKey` from ``key_of``,
+    or a prompt's digest) under ``policy`` and the ticket to ``leave`` with once it ends (``None``: no
+    parent, nothing to leave). Under ``fleet`` the parent is ``None`` where each sibling goes alone and
+    ``WITHHELD`` where the session is not to be sent; ``workers``: the router's fleet size
+    (``_fleet.size_at``)."""
     if policy.size is None:
         return None
+    try:  # hashed outside the lock: a key's own code never runs holding it
+        ticket = key if isinstance(key, GroupKey) else GroupKey(key)
+    except Exception as exc:
+        _bad_key(key, "hashed", exc)
+        return None
     with _lock:
-        try:  # the key's own __hash__ or __eq__ may raise: that attempt then names no parent
-            ticket = GroupKey(key)
+        try:  # the key's own __eq__ may raise (re-entering here on this thread finds the lock its own)
             group = _groups.get(ticket)
             if group is None:
                 ticket.size, ticket.sized = (
@@ -196,7 +232,7 @@ def join(key: Hashable, policy: Siblings, workers: int | None = None) -> tuple[s
                 group = _groups[ticket] = _Group(ticket)
                 _shape.opened(len(_groups))
         except Exception as exc:
-            _faults.report("comparing a trajectory(group=...) key", exc)
+            _bad_key(ticket.key, "compared", exc)
             return None
         group.started += 1
         group.open += 1
@@ -272,7 +308,7 @@ class Inferred:
             leave(key)
 
 
-_decide_lock = threading.Lock()
+_decide_lock = threading.RLock()
 
 
 def _forget_in_child() -> None:
@@ -282,8 +318,8 @@ def _forget_in_child() -> None:
     global _lock, _decide_lock, _shape
     _groups.clear()
     _shape = _Shape()
-    _lock = threading.Lock()  # other threads of the parent may have held them as it forked: the
-    _decide_lock = threading.Lock()  # child has no such thread to release them
+    _lock = threading.RLock()  # other threads of the parent may have held them as it forked: the
+    _decide_lock = threading.RLock()  # child has no such thread to release them
 
 
 if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)

@@ -39,6 +39,8 @@ from otel_session._context import (
 )
 from otel_session._ids import check_session_id, new_session_id
 
+_OPEN_KEY = otel_context.create_key("otel_session.trajectory")  # the attempt whose context this is
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 _DESCRIPTORS = (classmethod, staticmethod, property)
 
@@ -83,15 +85,9 @@ class trajectory(metaclass=_TrajectoryType):
         group: Hashable | None = None,
     ) -> None:
         self._adopted = None if session_id is None else check_session_id(session_id)
-        try:
-            hash(group)
-        except TypeError:
-            raise TypeError(
-                f"trajectory(group=...) must be hashable (a str, int or tuple), not {group!r}"
-            ) from None
-        except Exception:  # a key whose own __hash__ fails: its attempt names no parent (the join
-            pass  # says so, once) and still runs under its own session
-        self._group = group
+        self._group: _siblings.GroupKey | None = None
+        self._ungrouped = False  # a group given whose key cannot be hashed: no parent at all
+        self._grouped(group)
         self._joined: _siblings.GroupKey | None = None  # the group this attempt is open in, while it is
         self._inferred: _siblings.Inferred | None = None  # its group, read from its first request
         self._name = name
@@ -104,6 +100,7 @@ class trajectory(metaclass=_TrajectoryType):
             if value is not None:
                 self._attributes[f"otel_session.{key}"] = value
         self._token: object | None = None
+        self._pending: object | None = None  # ended under another open attempt: detached after it
         self._span: Span | None = None
         self._visits: set[_session_end.Visit] | None = None
         self._context: Context | None = None
@@ -133,8 +130,13 @@ class trajectory(metaclass=_TrajectoryType):
         clone.__dict__.update(self.__dict__)
         clone._attributes = {**self._attributes, **(attributes or {})}
         if group is not None:
-            clone._group = group
+            clone._grouped(group)
         return clone
+
+    def _grouped(self, group: Hashable | None) -> None:
+        """The attempt's group key, hashed once here (one line, and no parent, where it cannot be)."""
+        self._group = None if group is None else _siblings.key_of(group)
+        self._ungrouped = group is not None and self._group is None
 
     def _begin(self) -> Context:
         """Start the attempt: its session, span and context, not attached yet."""
@@ -165,7 +167,12 @@ class trajectory(metaclass=_TrajectoryType):
             # With no group given (or under ``fleet``, which may withhold the session), the attempt's
             # first request to a router decides its group and parent.
             inferred = None
-            if parent is None and policy.size is not None and (self._group is None or policy.withholds):
+            if (
+                parent is None
+                and policy.size is not None
+                and not self._ungrouped
+                and (self._group is None or policy.withholds)
+            ):
                 inferred = _siblings.Inferred(policy, self._group)
             if inferred is not None or current.get(SIBLINGS_KEY) is not None:
                 ctx = otel_context.set_value(SIBLINGS_KEY, inferred, ctx)
@@ -174,6 +181,7 @@ class trajectory(metaclass=_TrajectoryType):
         visits = None if reentered else _session_end.new_visits()
         if visits is not None:
             ctx = otel_context.set_value(ROUTER_VISITS_KEY, visits, ctx)
+        ctx = otel_context.set_value(_OPEN_KEY, self, ctx)
         attributes = {SESSION_ATTRIBUTE: session, "gen_ai.conversation.id": session, **self._attributes}
         if parent is not None:
             attributes["otel_session.parent_session_id"] = parent
@@ -249,11 +257,26 @@ class trajectory(metaclass=_TrajectoryType):
                 _record_failure(span, exc)
         finally:
             if token is not None:
-                otel_context.detach(token)  # type: ignore[arg-type]
+                self._detach(token)
             if span is not None:
                 span.end()
                 _metrics.trajectory("ended", exc)
         return visits
+
+    def _detach(self, token: object) -> None:
+        """Detach this attempt's context; ended while another attempt it does not enclose is open on
+        top (two episodes ended out of order on one thread), only once that one ends, so the thread
+        is never left inside an ended attempt (resetting now would put the other's end back here)."""
+        top = otel_context.get_current().get(_OPEN_KEY)
+        if isinstance(top, trajectory) and top is not self and top._context is not None:
+            self._pending = token
+            return
+        otel_context.detach(token)  # type: ignore[arg-type]
+        top = otel_context.get_current().get(_OPEN_KEY)
+        while isinstance(top, trajectory) and top._pending is not None:
+            token, top._pending = top._pending, None
+            otel_context.detach(token)  # type: ignore[arg-type]
+            top = otel_context.get_current().get(_OPEN_KEY)
 
     def __call__(self, func: _F) -> _F:
         """Every call of ``func`` is a new attempt (see ``as_attempt``); the decorated function keeps

@@ -147,9 +147,17 @@ def test_a_group_left_by_an_exception_is_forgotten_too(dynamo: Recorder) -> None
     assert open_groups() == 0
 
 
-def test_a_group_that_cannot_be_hashed_is_refused_naming_it() -> None:
-    with pytest.raises(TypeError, match="group"):
-        otel_session.trajectory(group=["not", "hashable"])
+def test_a_group_that_cannot_be_hashed_is_one_line_and_no_parent(caplog: pytest.LogCaptureFixture) -> None:
+    """A list (or a tuple holding one) is the application's mistake, not a reason to end its rollout:
+    the attempt runs under its own session and names no parent, not even one read from its prompt."""
+    otel_session.configure(dynamo_hosts=["127.0.0.1:9"], siblings="prompt")
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        for key in (["not", "hashable"], ("task", ["msg"])):
+            with otel_session.trajectory(group=key) as attempt:
+                assert attempt.session_id is not None and attempt.parent_session_id is None
+                assert otel_session.current_session_id() == attempt.session_id
+    lines = [r for r in caplog.records if "cannot be hashed" in r.getMessage()]
+    assert len(lines) == 1 and "type list" in lines[0].getMessage() and lines[0].exc_info is None
 
 
 @pytest.mark.parametrize(

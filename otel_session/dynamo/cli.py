@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from urllib.parse import urlsplit
 
 import otel_session
-from otel_session import _evidence
+from otel_session import _evidence, _faults
 from otel_session.dynamo import _checks
 from otel_session.dynamo._library_log import each_warning_once
 from otel_session.dynamo.sizing import FULL_ANSWER, LAYOUTS
@@ -361,7 +361,15 @@ async def _both_arms(
     from otel_session.dynamo.workload import run_batch
 
     progress.start()
-    otel_session.configure(dynamo_hosts=_dynamo_hosts(base_urls, announce=True))
+    hosts = _dynamo_hosts(base_urls, announce=True)
+    if otel_session.configure(dynamo_hosts=hosts).siblings.withholds:
+        # fleet sends a process's first step without sessions: this one-step run would show nothing
+        print(
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends a process's first step without sessions; "
+            "this one-step run keys siblings as the default (auto) does instead",
+            file=sys.stderr,
+        )
+        otel_session.configure(dynamo_hosts=hosts, siblings="auto")
     _evidence.forget()  # the evidence printed beside the verdict is this arm's
     try:
         on = await run_batch(base_urls, model, workload, concurrency=concurrency, on_turn=progress.step)
@@ -482,7 +490,7 @@ def _watch(args: argparse.Namespace) -> int:
     try:
         windows = watch(args.watch, sys.stdout, interval=args.interval, samples=args.samples)
     except (OSError, ValueError, http.client.HTTPException) as exc:  # HTTPException: not HTTP at all
-        said = str(exc).replace(args.watch, shown(args.watch))  # urllib may quote the URL back
+        said = _faults.one_line(str(exc).replace(args.watch, shown(args.watch)))  # a peer's bytes, escaped
         raise RunError(
             f"cannot read {shown(args.watch)} ({said}); give the metrics endpoint's full URL"
         ) from None

@@ -171,7 +171,9 @@ def diagnose(
         )
         return worker_id_of(response)
 
-    otel_session.configure(dynamo_hosts=[netloc])
+    # Its probes are no siblings: under any OTEL_SESSION_SIBLINGS each carries its own session (under
+    # fleet a process's first attempts would go without one, and a healthy router would fail here).
+    otel_session.configure(dynamo_hosts=[netloc], siblings="attempt")
     try:
         with no_session_on_purpose():  # the library's "sent outside any trajectory" is about these
             first = ask()
@@ -263,10 +265,11 @@ def diagnose(
 
 def _workers(base_url: str) -> int | None:
     """The fleet's size from the frontend's ``/health`` (``None``: an old frontend or a proxy)."""
-    import httpx2
-
+    parts = urlsplit(base_url)
     try:
-        health = httpx2.get(base_url.rstrip("/").removesuffix("/v1") + "/health", timeout=10).json()
-    except Exception:  # an old frontend or a proxy without /health: advise without the fleet's size
+        origin = (parts.scheme.lower(), parts.hostname or "", parts.port)
+    except ValueError:  # a port out of range: the probes have said so already
         return None
-    return _fleet.workers_in(health) or None
+    # bounded in total like the library's own read (a /health trickling a byte at a time included);
+    # an old frontend or a proxy without /health: advise without the fleet's size
+    return _fleet.read(origin, time.monotonic() + 10)[0] or None
