@@ -493,6 +493,9 @@ def test_a_streamed_body_names_no_group() -> None:
         assert offered.offer.parent is None and offered.plan(*ROUTER).edits == [
             (SESSION_HEADER, attempt.session)
         ]
+        attempt.run(_hop.forget)  # read afresh from the context: decided, nothing left to read
+        again = attempt.offered()
+        assert again is not offered and again.offer == offered.offer and again.undecided is None
     finally:
         attempt.end()
 
@@ -612,11 +615,11 @@ def test_fleet_sends_the_session_where_the_router_takes_no_parent(caplog: pytest
 
 
 def test_fleet_says_when_no_step_has_ended_then_sizes_groups_one_per_worker(
-    caplog: pytest.LogCaptureFixture,
+    slow: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
     support.metrics_reader()
     with Recorder(instances=4) as four, Recorder(instances=8) as eight:
-        otel_session.configure(dynamo_hosts=[four.url, eight.url], siblings="fleet")
+        otel_session.configure(dynamo_hosts=[four.url, eight.url, slow.url], siblings="fleet")
         at_four, at_eight = ("http", "127.0.0.1", four.port), ("http", "127.0.0.1", eight.port)
         before = support.metric_points()
         with caplog.at_level(logging.WARNING, logger="otel_session"):
@@ -640,17 +643,23 @@ def test_fleet_says_when_no_step_has_ended_then_sizes_groups_one_per_worker(
             pair = [Attempt(), Attempt(), Attempt()]
             parents = [attempt.decide("p1", at_four).offer.parent for attempt in pair]
             assert parents[0] is not None and parents[0] == parents[1] != parents[2]
-            for attempt in (alone, *pair):
+            # a sibling of the lone group sent to a router whose size is still being read: its group
+            # keeps its K, and the line names no workers known
+            elsewhere = Attempt()
+            assert elsewhere.decide("p0", ("http", "127.0.0.1", slow.port)).offer.parent is None
+            for attempt in (alone, *pair, elsewhere):
                 attempt.end()
     shape = "the last step had 2 groups of up to 3 siblings open at once: one group per worker"
-    assert _lines(caplog)[1:] == [
+    sized = [line for line in _lines(caplog) if line.startswith("otel-session: siblings sized")]
+    assert _lines(caplog)[1:3] == sized[:2] and sized == [
         f"otel-session: siblings sized to the fleet: each alone under its own session (8 workers; {shape})",
         f"otel-session: siblings sized to the fleet: 2 per parent session (4 workers; {shape})",
+        f"otel-session: siblings sized to the fleet: each alone under its own session (0 workers; {shape})",
     ]
     choice = "otel_session.siblings.choice"
     assert _counted(before, "otel_session.sibling_choices") == {
         frozenset({(choice, "withheld")}): 6,
-        frozenset({(choice, "sized"), ("otel_session.siblings.size", 1)}): 1,
+        frozenset({(choice, "sized"), ("otel_session.siblings.size", 1)}): 2,
         frozenset({(choice, "sized"), ("otel_session.siblings.size", 2)}): 3,
     }
 
@@ -680,6 +689,24 @@ def test_auto_reads_the_fleets_size_once_a_group_has_two_attempts_and_never_says
         for attempt in (early, *pair):
             attempt.end()
     assert _lines(caplog) == []
+
+
+def test_an_attempt_is_decided_under_the_policy_it_started_with(
+    refused: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{refused}"], siblings="fleet")
+    router = ("http", "127.0.0.1", refused)
+    attempt = Attempt()  # started under fleet
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{refused}"], siblings="auto")
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        decided = attempt.decide("p", router)  # auto plans it without a read; fleet decides it
+        assert decided.offer.pinned is False and decided.offer.parent is None
+        _reads_done()
+    said = sorted(_lines(caplog))  # the refused read may be said before the withheld line or after it
+    assert said[0] == WITHHELD_LINE.format("its /health is still being read")
+    assert len(said) == 2 and said[1].startswith(
+        f"otel-session: sibling groups cannot be sized to the fleet of the router at http://127.0.0.1:{refused}"
+    )
 
 
 def test_auto_starts_the_read_as_a_router_is_planned(refused: int, caplog: pytest.LogCaptureFixture) -> None:
