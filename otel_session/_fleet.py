@@ -29,6 +29,7 @@ ORIGINS_KEPT = 64
 
 _sizes: dict[Origin, tuple[int, float]] = {}  # origin -> (workers or UNREADABLE, when read)
 _reading: set[Origin] = set()
+_era = [0]  # bumped by forget(): a read started before it answers a configuration that is gone
 _warned: set[Origin] = set()
 _lock = threading.Lock()
 
@@ -64,7 +65,7 @@ def size_at(origin: Origin, tell: bool = True) -> int | None:
     if start:
         try:
             threading.Thread(
-                target=_read, args=(origin, tell), name="otel-session-fleet", daemon=True
+                target=_read, args=(origin, tell, _era[0]), name="otel-session-fleet", daemon=True
             ).start()
         except Exception as exc:  # no thread to be had (interpreter shutting down): read again later
             with _lock:
@@ -89,9 +90,11 @@ def read(origin: Origin, deadline: float) -> tuple[int, str]:
     return workers, "" if workers else "its /health lists no workers (no instance serving generate)"
 
 
-def _read(origin: Origin, loud: bool) -> None:
+def _read(origin: Origin, loud: bool, era: int) -> None:
     workers, reason = read(origin, time.monotonic() + DEADLINE)
     with _lock:
+        if era != _era[0]:
+            return
         if len(_sizes) >= ORIGINS_KEPT and origin not in _sizes:
             _sizes.clear()
         _sizes[origin] = (workers, time.monotonic())
@@ -139,6 +142,8 @@ def forget() -> None:
     with _lock:
         _sizes.clear()
         _warned.clear()
+        _reading.clear()
+        _era[0] += 1
 
 
 def known() -> dict[str, Any]:

@@ -235,13 +235,15 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         )
         return
     groups, siblings = _siblings.last_shape()
+    parents = groups * -(-siblings // max(1, ticket.size or 1))  # groups of K, over the whole step
     _faults.warn(
         "otel-session: siblings sized to the fleet: %s (%d workers; the last step had %d groups of up "
-        "to %d siblings open at once: one group per worker)",
+        "to %d siblings open at once: %s)",
         "each alone under its own session" if ticket.size == 1 else f"{ticket.size} per parent session",
         workers or 0,
         groups,
         siblings,
+        f"{parents} groups: some share a worker" if workers and parents > workers else "one group per worker",
     )
 
 

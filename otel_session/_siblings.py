@@ -54,7 +54,7 @@ class Siblings:
         if value == "auto":
             return cls(AUTO)
         kind, sep, size = value.partition(":")
-        if kind == "groups" and sep and size.isdigit() and 1 <= int(size) <= 4096:
+        if kind == "groups" and sep and size.isascii() and size.isdigit() and 1 <= int(size) <= 4096:
             return cls(int(size))
         raise ValueError(
             f"{text!r} is not attempt, prompt, auto, fleet or groups:K (K from 1 to 4096, e.g. groups:2)"
@@ -69,6 +69,9 @@ class Siblings:
     def withholds(self) -> bool:
         """Whether the session is withheld while K cannot be chosen yet (``fleet``)."""
         return self.size == FLEET
+
+    def __repr__(self) -> str:
+        return f"Siblings({str(self)!r})"
 
     def __str__(self) -> str:
         if self.size is None:

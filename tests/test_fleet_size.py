@@ -227,3 +227,19 @@ def test_a_router_read_again_is_said_once(
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
     assert len([r for r in caplog.records if "cannot be sized" in r.getMessage()]) == 1
+
+
+def test_a_read_still_in_flight_when_forgotten_is_not_kept(dynamo: Recorder) -> None:
+    """unconfigure() forgets every size: a read it did not wait for must not bring its answer back
+    into the next configuration (a test after another found the last one's router known)."""
+    dynamo.instances, dynamo.health_delay = 4, 0.3
+    origin = ("http", dynamo.host, dynamo.port)
+    assert _fleet.size_at(origin) is None
+    _fleet.forget()
+    deadline = time.monotonic() + 5
+    while not dynamo.health_reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.6)  # the answer (0.3 s late) has come back to the reading thread
+    assert dynamo.health_reads and _fleet.known() == {}
+    assert _fleet.size_at(origin) is None  # read afresh for the configuration now in force
+    assert _wait_known(dynamo.url) == 4

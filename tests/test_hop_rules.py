@@ -579,7 +579,7 @@ def test_fleet_withholds_the_session_until_the_routers_size_is_read(
         said = _lines(caplog)
         assert len(said) == 2 and said[1].startswith(
             f"otel-session: sibling groups cannot be sized to the fleet of the router at {slow.url}: its "
-            "/health lists no workers (it lists no instance serving generate)"
+            "/health lists no workers (no instance serving generate)"
         )
         # read, and it lists no workers: the default's K, the session sent
         later = Attempt()

@@ -429,3 +429,24 @@ def test_fleet_withholds_sessions_where_pinning_crowded_workers_and_auto_never_d
     dynamo.clear()
     _step(dynamo, prompts=2, siblings=4)
     assert None not in {session for session, _ in _attempts(dynamo).values()}  # ... then pinned again
+
+
+def test_more_prompts_than_workers_is_not_called_one_group_per_worker(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """8 prompts of 2 on 4 workers: K is the whole group (2), 8 groups on 4 workers; the line says
+    so rather than "one group per worker" (found from outside); and a policy shows as its name."""
+    dynamo.instances = 4
+    settings = otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    assert repr(settings.siblings) == "Siblings('fleet')"
+    _step(dynamo, prompts=8, siblings=2)
+    _wait_for_size(dynamo)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=8, siblings=2)
+    (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
+    assert "2 per parent session (4 workers;" in line and line.endswith("8 groups: some share a worker)")
+
+
+def test_a_group_size_is_ascii_digits_only() -> None:
+    with pytest.raises(ValueError, match="groups:K"):
+        Siblings.parse("groups:\u0663")  # ARABIC-INDIC DIGIT THREE: str.isdigit() says yes

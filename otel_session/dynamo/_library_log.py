@@ -3,9 +3,10 @@
 The library logs with the standard :mod:`logging` module under that name, and a user of it can filter
 there like anywhere else. The tools do so in two places only, each for as long as it lasts:
 
-- around requests sent outside any trajectory *on purpose* (doctor's probes of how requests without a
-  session are routed), the library's "sent outside any trajectory" line is about them and would only
-  mislead, so it is dropped, for those requests' thread only;
+- around requests sent without a session *on purpose* (doctor's probes of how requests without a
+  session are routed, the demo's batch with otel-session unconfigured), the library's "sent outside
+  any trajectory" and "not configured" lines are about them and would only mislead, so they are
+  dropped, for those requests' thread only;
 - for one run of the command, a warning already shown is not shown again: the command calls
   ``configure()`` more than once (its up-front checks, then the run), and each call reads the same
   ``OTEL_SESSION_*`` variables and warns about the same mistake.
@@ -43,7 +44,9 @@ class _NotAboutThisThreadsRequests(logging.Filter):
         if record.thread != self.thread:
             return True
         message = record.getMessage()
-        return not (message.startswith("otel-session: a request to") and "outside any trajectory" in message)
+        if message.startswith("otel-session: a request to") and "outside any trajectory" in message:
+            return False
+        return "not configured in this process" not in message  # the demo's batch without sessions
 
 
 def no_session_on_purpose() -> contextlib.AbstractContextManager[None]:
