@@ -109,7 +109,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_fleet": ("tests/test_fleet_size.py", "tests/test_siblings_fleet.py"),
     "_trajectory": _ATTEMPT_TESTS,
     "_hop": _HOP_TESTS,
-    "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),
+    "_settings": ("tests/test_settings_rules.py",),
     "_carriers": (
         "tests/test_carriers.py",
         "tests/test_faults.py",
