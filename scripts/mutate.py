@@ -107,7 +107,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_prompts": _SIBLINGS_TESTS,
     "_group_keys": ("tests/test_group_keys.py", "tests/test_boundaries_groups.py"),
     "_fleet": ("tests/test_fleet_size.py", "tests/test_siblings_fleet.py"),
-    "_trajectory": _ATTEMPT_TESTS,
+    "_trajectory": ("tests/test_trajectory_rules.py",),
     "_hop": _HOP_TESTS,
     "_settings": ("tests/test_settings_rules.py",),
     "_carriers": (
