@@ -46,16 +46,6 @@ _SIBLINGS_TESTS = (
     "tests/test_boundaries_groups.py",
     "tests/test_trajectory.py",
 )
-_ATTEMPT_TESTS = (
-    "tests/test_trajectory.py",
-    "tests/test_carry.py",
-    "tests/test_forks.py",
-    "tests/test_leaks.py",
-    "tests/test_siblings.py",
-    "tests/test_siblings_inferred.py",
-    "tests/test_delivery.py",
-    "tests/test_threads.py",
-)
 _HOP_TESTS = (
     "tests/test_trajectory.py",
     "tests/test_fallback.py",

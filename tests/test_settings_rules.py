@@ -19,8 +19,8 @@ from otel_session import _environment, _settings
 from otel_session._hosts import HostPattern, HostRules
 from otel_session._routers import DYNAMO, profile_named
 from otel_session._settings import (
-    Settings,
     SettingError,
+    Settings,
     build,
     flag,
     parse_bool,
@@ -243,7 +243,9 @@ def test_a_bad_servers_variable_keeps_servers_on_where_that_is_the_default(
     monkeypatch.setenv("OTEL_SESSION_SERVERS", "perhaps")
     settings, warnings = build(dynamo_hosts="d:1", lenient=True, servers_default=True)
     assert settings.servers is True
-    assert warnings == [f"otel-session: OTEL_SESSION_SERVERS='perhaps' {BOOLEAN}; servers are instrumented{TAIL}"]
+    assert warnings == [
+        f"otel-session: OTEL_SESSION_SERVERS='perhaps' {BOOLEAN}; servers are instrumented{TAIL}"
+    ]
     monkeypatch.setenv("OTEL_SESSION_SERVERS", "off")
     assert build(dynamo_hosts="d:1", lenient=True, servers_default=True)[0].servers is False
 
@@ -270,7 +272,10 @@ def test_a_bad_pattern_argument_is_an_error_naming_the_argument_even_in_zero_cod
     for lenient in (False, True):
         error = raised(dynamo_hosts=["ok:1", "bad host"], lenient=lenient)
         assert error.name == "dynamo_hosts"
-        assert str(error) == "dynamo_hosts: host pattern 'bad host': 'bad host' is not a valid host name or IP address"
+        assert (
+            str(error)
+            == "dynamo_hosts: host pattern 'bad host': 'bad host' is not a valid host name or IP address"
+        )
         error = raised(trusted_hosts="ok:1,x:99999", lenient=lenient)
         assert error.name == "trusted_hosts"
         assert str(error) == "trusted_hosts: host pattern 'x:99999': '99999' is not a port number (1-65535)"
@@ -282,11 +287,15 @@ def test_a_pattern_list_that_is_no_list_is_an_error_naming_it() -> None:
     error = raised(dynamo_hosts=5)
     assert (error.name, str(error)) == ("dynamo_hosts", "dynamo_hosts must be a list of strings, not int")
     error = raised(trusted_hosts=None, routers={"smg": 7.5})
-    assert (error.name, str(error)) == ("routers['smg']", "routers['smg'] must be a list of strings, not float")
+    assert (error.name, str(error)) == (
+        "routers['smg']",
+        "routers['smg'] must be a list of strings, not float",
+    )
 
 
 @pytest.mark.parametrize(
-    ("variable", "reads"), [("OTEL_SESSION_DYNAMO_HOSTS", "routes"), ("OTEL_SESSION_TRUSTED_HOSTS", "trusted")]
+    ("variable", "reads"),
+    [("OTEL_SESSION_DYNAMO_HOSTS", "routes"), ("OTEL_SESSION_TRUSTED_HOSTS", "trusted")],
 )
 def test_a_bad_variable_entry_is_left_out_with_one_warning_and_the_others_kept(
     monkeypatch: pytest.MonkeyPatch, variable: str, reads: str
@@ -303,7 +312,10 @@ def test_a_bad_variable_entry_is_left_out_with_one_warning_and_the_others_kept(
     ]
     error = raised()  # in code, the variable's bad entry is an error naming the variable
     assert error.name == variable
-    assert str(error) == f"{variable}: host pattern 'bad host': 'bad host' is not a valid host name or IP address"
+    assert (
+        str(error)
+        == f"{variable}: host pattern 'bad host': 'bad host' is not a valid host name or IP address"
+    )
 
 
 @pytest.mark.parametrize(
@@ -319,7 +331,9 @@ def test_every_host_left_out_is_said_as_left_out_not_as_never_set(
     assert build(lenient=True, say_if_empty=False)[1] == warnings[:1]
 
 
-def test_a_bad_variable_that_is_not_a_host_still_says_nothing_was_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_variable_that_is_not_a_host_still_says_nothing_was_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("OTEL_SESSION_TRACING", "maybe")
     monkeypatch.setenv("OTEL_SESSION_SIBLINGS", "many")
     _, warnings = build(lenient=True)
@@ -338,7 +352,9 @@ def test_a_dynamo_host_entry_with_an_equals_sign_gets_no_hint_about_routers(
     ]
 
 
-def test_a_bad_host_variable_with_others_left_says_nothing_of_emptiness(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_host_variable_with_others_left_says_nothing_of_emptiness(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "bad host")
     monkeypatch.setenv("OTEL_SESSION_TRUSTED_HOSTS", "gym:1")
     settings, warnings = build(lenient=True)
@@ -352,7 +368,10 @@ def test_with_dynamo_hosts_adds_dynamo_routes_and_keeps_the_rest() -> None:
     assert trusted_of(more) == ["t:1"] and more.tracing is True
     assert routes_of(settings) == [("dynamo", "d:1"), ("smg", "g:1")]  # the original unchanged
     assert all(profile is DYNAMO for profile, _ in more.rules.routes if profile.name == "dynamo")
-    assert routes_of(Settings().with_dynamo_hosts([])) == [] and Settings().with_dynamo_hosts([]).rules.trusted == ()
+    assert (
+        routes_of(Settings().with_dynamo_hosts([])) == []
+        and Settings().with_dynamo_hosts([]).rules.trusted == ()
+    )
 
 
 # ---- routers ----------------------------------------------------------------------------------------
@@ -360,7 +379,12 @@ def test_with_dynamo_hosts_adds_dynamo_routes_and_keeps_the_rest() -> None:
 
 def test_routers_given_in_code_by_profile() -> None:
     settings, warnings = build(
-        routers={"vllm-router": ["vr:1", "vr:2"], " SMG ": "gw:1,gw:2", "header:X-Route": ("c:1",), "litellm": None}
+        routers={
+            "vllm-router": ["vr:1", "vr:2"],
+            " SMG ": "gw:1,gw:2",
+            "header:X-Route": ("c:1",),
+            "litellm": None,
+        }
     )
     assert warnings == []
     assert routes_of(settings) == [
@@ -384,7 +408,8 @@ def test_an_unknown_profile_in_code_is_an_error_naming_routers() -> None:
         error = raised(routers={"dynamo": "d:1", "nginx": "n:1"}, lenient=lenient)
         assert error.name == "routers"
         assert str(error) == (
-            "routers: unknown router profile 'nginx': use one of dynamo, vllm-router, smg, litellm, or header:NAME"
+            "routers: unknown router profile 'nginx': use one of dynamo, vllm-router, smg, litellm, "
+            "or header:NAME"
         )
     error = raised(routers={3: "n:1"})
     assert (error.name, str(error)) == ("routers", "routers: router profile must be a str, not int")
@@ -403,7 +428,12 @@ def test_the_routers_variable_read_entry_by_entry(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("OTEL_SESSION_ROUTERS", " ; vllm-router = vr:1 ;smg=gw:1,gw:2;;vllm-router=vr:2; ")
     settings, warnings = build(lenient=True)
     assert warnings == []
-    assert routes_of(settings) == [("vllm-router", "vr:1"), ("vllm-router", "vr:2"), ("smg", "gw:1"), ("smg", "gw:2")]
+    assert routes_of(settings) == [
+        ("vllm-router", "vr:1"),
+        ("vllm-router", "vr:2"),
+        ("smg", "gw:1"),
+        ("smg", "gw:2"),
+    ]
 
 
 def test_parse_routers_merges_a_profile_given_twice_and_reports_each_malformed_entry() -> None:
@@ -426,14 +456,19 @@ def test_a_malformed_routers_variable_entry_is_one_warning_in_zero_code_mode_and
     settings, warnings = build(lenient=True)
     assert routes_of(settings) == [("smg", "gw:1")]
     assert warnings == [
-        "otel-session: OTEL_SESSION_ROUTERS: 'garbage' is not PROFILE=PATTERN[,PATTERN...] (entries separated "
+        "otel-session: OTEL_SESSION_ROUTERS: 'garbage' is not PROFILE=PATTERN[,PATTERN...] (entries "
+        "separated "
         "by ';', e.g. 'vllm-router=10.0.0.5:8000;smg=*.gateway.internal'); that entry is left out" + TAIL
     ]
     error = raised()
-    assert error.name == "OTEL_SESSION_ROUTERS" and str(error).startswith("OTEL_SESSION_ROUTERS: 'garbage' is not")
+    assert error.name == "OTEL_SESSION_ROUTERS" and str(error).startswith(
+        "OTEL_SESSION_ROUTERS: 'garbage' is not"
+    )
 
 
-def test_an_unknown_profile_in_the_variable_is_left_out_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_profile_in_the_variable_is_left_out_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("OTEL_SESSION_ROUTERS", "nginx=n:1;smg=gw:1")
     settings, warnings = build(lenient=True)
     assert routes_of(settings) == [("smg", "gw:1")]
@@ -469,11 +504,14 @@ def test_a_bad_pattern_in_the_routers_variable_says_to_separate_routers_with_sem
     )
 
 
-def test_one_pattern_for_two_profiles_is_kept_by_the_first_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_pattern_for_two_profiles_is_kept_by_the_first_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     error = raised(dynamo_hosts="gw:1", routers={"smg": ["gw:1"]})
     assert error.name == "routers"
     assert str(error) == (
-        "routers: host pattern 'gw:1' is given to both dynamo and smg, but a destination gets one router's header"
+        "routers: host pattern 'gw:1' is given to both dynamo and smg, but a destination gets one "
+        "router's header"
     )
     monkeypatch.setenv("OTEL_SESSION_DYNAMO_HOSTS", "gw:1")
     monkeypatch.setenv("OTEL_SESSION_ROUTERS", "smg=other:2,gw:1;litellm=gw:1")
@@ -489,7 +527,8 @@ def test_one_pattern_for_two_profiles_is_kept_by_the_first_with_one_warning(monk
     error = raised()
     assert error.name == "OTEL_SESSION_ROUTERS"
     assert str(error) == (
-        "OTEL_SESSION_ROUTERS: host pattern 'gw:1' is given to both dynamo and smg, but a destination gets one "
+        "OTEL_SESSION_ROUTERS: host pattern 'gw:1' is given to both dynamo and smg, but a destination "
+        "gets one "
         "router's header"
     )
 
@@ -524,10 +563,13 @@ def test_adopt_reads_session_or_cookie_and_a_name(
 
 @pytest.mark.parametrize(
     "raw",
-    ["session", "header:x", "session:", "cookie:  ", "session:a b", "cookie:a\tb", "cookie:a,b", "session:a;b",
+    ["session", "header:x", "session:", "cookie:  ", "session:a b", "cookie:a\tb", "cookie:a,b",
+     "session:a;b",
      "cookie:a=b", ":x", "sessions:x", " :session"],
 )  # fmt: skip
-def test_a_bad_adopt_is_one_warning_and_adopts_nothing_even_in_code(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+def test_a_bad_adopt_is_one_warning_and_adopts_nothing_even_in_code(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
     monkeypatch.setenv("OTEL_SESSION_ADOPT", raw)
     for lenient in (False, True):
         settings, warnings = build(dynamo_hosts="d:1", lenient=lenient)
@@ -567,7 +609,10 @@ def test_a_bad_siblings_variable_keeps_the_default_with_one_warning(monkeypatch:
         f"otel-session: OTEL_SESSION_SIBLINGS: 'groups:0' {SIBLINGS_WORDS}; siblings are keyed as auto{TAIL}"
     ]
     error = raised(dynamo_hosts="d:1")
-    assert (error.name, str(error)) == ("OTEL_SESSION_SIBLINGS", f"OTEL_SESSION_SIBLINGS: 'groups:0' {SIBLINGS_WORDS}")
+    assert (error.name, str(error)) == (
+        "OTEL_SESSION_SIBLINGS",
+        f"OTEL_SESSION_SIBLINGS: 'groups:0' {SIBLINGS_WORDS}",
+    )
 
 
 # ---- trajectory functions ---------------------------------------------------------------------------
@@ -584,13 +629,25 @@ def test_trajectory_functions_from_a_string_or_a_list_each_once_in_order() -> No
 def test_a_bad_trajectory_function_argument_is_an_error_even_in_zero_code_mode() -> None:
     for lenient in (False, True):
         error = raised(trajectory_functions=["a:f", "bad"], lenient=lenient)
-        assert (error.name, str(error)) == ("trajectory_functions", f"trajectory_functions: 'bad' {ENTRY_HELP}")
+        assert (error.name, str(error)) == (
+            "trajectory_functions",
+            f"trajectory_functions: 'bad' {ENTRY_HELP}",
+        )
     error = raised(trajectory_functions=["a:f", 5])
-    assert (error.name, str(error)) == ("trajectory_functions", "trajectory_functions: 5 is not module:Qualified.name")
+    assert (error.name, str(error)) == (
+        "trajectory_functions",
+        "trajectory_functions: 5 is not module:Qualified.name",
+    )
     error = raised(trajectory_functions="a:f[grp=1]")
-    assert (error.name, str(error)) == ("trajectory_functions", f"trajectory_functions: 'a:f[grp=1]' {ENTRY_HELP}")
+    assert (error.name, str(error)) == (
+        "trajectory_functions",
+        f"trajectory_functions: 'a:f[grp=1]' {ENTRY_HELP}",
+    )
     error = raised(trajectory_functions=5)
-    assert (error.name, str(error)) == ("trajectory_functions", "trajectory_functions must be a list of strings, not int")
+    assert (error.name, str(error)) == (
+        "trajectory_functions",
+        "trajectory_functions must be a list of strings, not int",
+    )
 
 
 def test_a_bad_trajectory_functions_variable_entry_is_left_out_or_applied_without_its_group(
@@ -637,7 +694,8 @@ def test_zero_code_mode_logs_each_bad_variable_as_one_line_and_configures_the_re
         _environment.configure_from_environment()
     lines = [record.getMessage() for record in caplog.records if record.name.startswith("otel_session")]
     assert lines == [
-        f"otel-session: OTEL_SESSION_END_SESSIONS='sometimes' {BOOLEAN}; sessions are not ended explicitly{TAIL}",
+        f"otel-session: OTEL_SESSION_END_SESSIONS='sometimes' {BOOLEAN}; sessions are not ended "
+        f"explicitly{TAIL}",
         f"otel-session: OTEL_SESSION_ADOPT='cookie' {ADOPT_HELP}",
     ]
     assert _settings.current is not None and routes_of(_settings.current) == [("dynamo", "d:1")]

@@ -18,6 +18,7 @@ import gc
 import inspect
 import logging
 import os
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -40,6 +41,7 @@ import otel_session
 from otel_session import (
     PARENT_SESSION_HEADER,
     _faults,
+    _fleet,
     _hop,
     _metrics,
     _siblings,
@@ -896,12 +898,35 @@ class DynamoStandIn:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.workers = 0  # the instances its /health lists
+        self.health_delay = 0.0  # seconds its /health takes to answer
 
     async def handle(self, request: Request) -> Response:
         await request.body()
+        if request.url.path == "/health":
+            await asyncio.sleep(self.health_delay)
+            listed = [{"endpoint": "generate", "instance_id": 7000 + i} for i in range(self.workers)]
+            return JSONResponse({"status": "healthy", "instances": listed})
         self.seen.append((request.method, request.url.path, dict(request.headers)))
         if request.url.path == "/v1/models":
             return JSONResponse({"data": [{"id": "m"}]})
+        if request.url.path == "/v1/chat/completions":
+            return JSONResponse(
+                {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "ok"},
+                            "finish_reason": "stop",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                }
+            )
         return JSONResponse({"ok": True})
 
     def finals(self) -> list[tuple[str | None, str | None]]:
@@ -945,19 +970,12 @@ async def test_an_async_nested_attempt_names_its_parent_at_its_end(
 
 
 def test_a_nested_attempt_under_a_withheld_one_still_carries_its_session(
-    dynamo: tuple[DynamoStandIn, AsgiServer], monkeypatch: pytest.MonkeyPatch
+    dynamo: tuple[DynamoStandIn, AsgiServer],
 ) -> None:
     """Under ``fleet`` an attempt whose group cannot be sized yet goes without its session; one
     opened inside it has a parent (the outer one) and no group to wait for: it carries its own."""
     stand_in, server = dynamo
-    slow_health = stand_in.handle
-
-    async def handle(request: Request) -> Response:
-        if request.url.path == "/health":
-            await asyncio.sleep(1.0)  # the fleet's size is still being read while the attempts run
-        return await slow_health(request)
-
-    monkeypatch.setattr(stand_in, "handle", handle)
+    stand_in.health_delay = 0.5  # the fleet's size is still being read while the attempts run
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
     otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="fleet")
     with trajectory() as outer, httpx.Client() as client:
@@ -984,9 +1002,10 @@ def test_a_span_processor_sees_the_attempts_own_context(spans: Spans) -> None:
     assert (outer.attributes or {})["session.id"] == "outer-1"
 
 
-def test_an_undecided_attempt_puts_no_parent_on_its_span(
-    spans: Spans, caplog: pytest.LogCaptureFixture, configured: None
+def test_an_undecided_attempt_puts_no_parent_on_its_span_and_logs_nothing(
+    spans: Spans, caplog: pytest.LogCaptureFixture, configured: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(_faults, "_reported", set())  # a fault is logged once per process: here, anew
     with caplog.at_level(logging.WARNING), trajectory():
         pass
     assert "otel_session.parent_session_id" not in (spans.one().attributes or {})
@@ -1175,3 +1194,105 @@ def test_a_decorated_call_leaves_no_context_behind_and_logs_nothing(caplog: pyte
 def test_an_attempt_not_yet_entered_has_no_session_and_no_parent() -> None:
     attempt = trajectory(group="g")
     assert attempt.session_id is None and attempt.parent_session_id is None
+
+
+# ---- groups sized to the fleet --------------------------------------------------------------------
+
+
+def wait_for_fleet(workers: int) -> None:
+    deadline = time.monotonic() + 10
+    while _fleet.largest() != workers:
+        assert time.monotonic() < deadline, "the router's /health was never read"
+        time.sleep(0.01)
+
+
+def one_step(group: str, siblings: int, url: str | None = None) -> list[trajectory]:
+    """``siblings`` attempts of ``group`` open together (each sending one request to ``url``, if
+    given), then all ended: one step of a run."""
+    attempts = [trajectory(group=group) for _ in range(siblings)]
+    for attempt in attempts:
+        in_other_context(attempt.__enter__)()
+        if url is not None:
+            token = otel_context.attach(attempt._context)  # type: ignore[arg-type]
+            try:
+                with httpx.Client() as client:
+                    client.post(url, json=PROMPT)
+            finally:
+                otel_context.detach(token)
+    for attempt in attempts:
+        in_other_context(lambda a=attempt: a.__exit__(None, None, None))()
+    return attempts
+
+
+def test_under_auto_a_named_group_is_sized_as_it_opens_to_the_largest_fleet_read(
+    dynamo: tuple[DynamoStandIn, AsgiServer],
+) -> None:
+    stand_in, server = dynamo
+    stand_in.workers = 4
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="auto")
+    _fleet.size_at(("http", "127.0.0.1", server.port))
+    wait_for_fleet(4)
+    first = one_step("step-1", 4)  # no step seen yet: two by two
+    assert len({a.parent_session_id for a in first}) == 2 and None not in {a.parent_session_id for a in first}
+    second = one_step("step-2", 4, f"http://127.0.0.1:{server.port}/v1/chat/completions")
+    assert [a.parent_session_id for a in second] == [None] * 4  # 1 group of 4 on 4 workers: each alone
+    assert _siblings.last_shape() == (1, 4)  # each attempt counted once, though it sent a request
+
+
+def test_under_fleet_the_group_given_wins_over_each_attempts_prompt(
+    dynamo: tuple[DynamoStandIn, AsgiServer],
+) -> None:
+    stand_in, server = dynamo
+    stand_in.workers = 1
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="fleet")
+
+    def step(group: str) -> list[trajectory]:
+        attempts = [trajectory(group=group) for _ in range(2)]
+        for index, attempt in enumerate(attempts):
+            in_other_context(attempt.__enter__)()
+            token = otel_context.attach(attempt._context)  # type: ignore[arg-type]
+            try:
+                with httpx.Client() as client:
+                    client.post(
+                        url, json={"model": "m", "messages": [{"role": "user", "content": str(index)}]}
+                    )
+            finally:
+                otel_context.detach(token)
+        for attempt in attempts:
+            in_other_context(lambda a=attempt: a.__exit__(None, None, None))()
+        return attempts
+
+    step("step-1")  # the fleet's size read, and one step seen: 1 group of 2
+    wait_for_fleet(1)
+    stand_in.seen.clear()
+    attempts = step("step-2")
+    parents = {a.parent_session_id for a in attempts}
+    assert len(parents) == 1 and None not in parents  # one group, though their prompts differ
+    sent = [
+        h.get("x-dynamo-parent-session-id") for _, path, h in stand_in.seen if path.endswith("completions")
+    ]
+    assert sent == [attempts[0].parent_session_id] * 2
+
+
+def test_a_nested_attempt_under_a_withheld_one_has_its_turns_judged(
+    dynamo: tuple[DynamoStandIn, AsgiServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its session goes to the router (above), so its turns are evidence of affinity: the outer
+    attempt's withheld group is not the nested one's."""
+    import openai
+
+    stand_in, server = dynamo
+    stand_in.health_delay = 0.5  # the fleet's size is still being read: the outer attempt is withheld
+    turns: list[dict[str, Any]] = []
+    monkeypatch.setattr(_metrics, "recording", lambda: True)
+    monkeypatch.setattr(_metrics, "turns", type("Turns", (), {"add": lambda self, n, a: turns.append(a)})())
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="fleet")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+    with trajectory():
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "outer"}])
+        assert turns == []  # withheld: its turns say nothing of affinity
+        with trajectory():
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "inner"}])
+    client.close()
+    assert len(turns) == 1
