@@ -311,8 +311,23 @@ def keeping_kind(
 
         @functools.wraps(func)
         async def run_async_generator(*args: Any, **kwargs: Any) -> Any:
-            async for item in async_generator_in(start(args, kwargs)):
-                yield item
+            # By hand what ``yield from`` does for a generator: what is sent or thrown, and the close,
+            # reach the function's own generator (an ``async for`` here would drop them).
+            inner = async_generator_in(start(args, kwargs))
+            step: Callable[[Any], Awaitable[Any]] = inner.asend
+            value: Any = None
+            while True:
+                try:
+                    item = await step(value)
+                except StopAsyncIteration:
+                    return
+                try:
+                    value, step = (yield item), inner.asend
+                except GeneratorExit:
+                    await inner.aclose()
+                    raise
+                except BaseException as exc:
+                    value, step = exc, inner.athrow
 
         return run_async_generator
     if inspect.isgeneratorfunction(func):

@@ -46,16 +46,6 @@ _SIBLINGS_TESTS = (
     "tests/test_boundaries_groups.py",
     "tests/test_trajectory.py",
 )
-_ATTEMPT_TESTS = (
-    "tests/test_trajectory.py",
-    "tests/test_carry.py",
-    "tests/test_forks.py",
-    "tests/test_leaks.py",
-    "tests/test_siblings.py",
-    "tests/test_siblings_inferred.py",
-    "tests/test_delivery.py",
-    "tests/test_threads.py",
-)
 # One hop's rules, in-process (the files that send through the client hooks start loopback servers: a
 # surviving mutant of _hop cost minutes there, and a whole run against them never finished).
 _HOP_TESTS = ("tests/test_hop_rules.py",)
@@ -100,9 +90,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_prompts": _SIBLINGS_TESTS,
     "_group_keys": ("tests/test_group_keys.py", "tests/test_boundaries_groups.py"),
     "_fleet": ("tests/test_fleet_size.py", "tests/test_siblings_fleet.py"),
-    "_trajectory": _ATTEMPT_TESTS,
+    "_trajectory": ("tests/test_trajectory_rules.py",),
     "_hop": _HOP_TESTS,
-    "_settings": ("tests/test_configure.py", "tests/test_hostile.py", "tests/test_boundaries_groups.py"),
+    "_settings": ("tests/test_settings_rules.py",),
     "_carriers": (
         "tests/test_carriers.py",
         "tests/test_faults.py",
