@@ -48,7 +48,7 @@ _SIBLINGS_TESTS = (
 )
 # One hop's rules, in-process (the files that send through the client hooks start loopback servers: a
 # surviving mutant of _hop cost minutes there, and a whole run against them never finished).
-_HOP_TESTS = ("tests/test_hop_rules.py",)
+_HOP_TESTS = ("tests/test_hop_rules.py", "tests/test_siblings_fleet.py")
 _EVIDENCE_TESTS = (
     "tests/test_evidence_rules.py",
     "tests/test_verdicts_rules.py",

@@ -4,6 +4,8 @@ on them. Real servers over loopback; the hanging one is a socket that accepts an
 
 from __future__ import annotations
 
+import http.server
+import json
 import logging
 import socket
 import threading
@@ -243,3 +245,41 @@ def test_a_read_still_in_flight_when_forgotten_is_not_kept(dynamo: Recorder) -> 
     assert dynamo.health_reads and _fleet.known() == {}
     assert _fleet.size_at(origin) is None  # read afresh for the configuration now in force
     assert _wait_known(dynamo.url) == 4
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _health_of(body: bytes) -> tuple[int, str]:
+    """``_fleet.read`` of a /health answering ``body`` whole, from a plain loopback server."""
+    handler = type("Handler", (_Health,), {"body": body})
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            return _fleet.read(("http", "127.0.0.1", server.server_address[1]), time.monotonic() + 5)
+        finally:
+            server.shutdown()
+
+
+def test_a_health_of_exactly_the_cap_is_read_and_a_byte_more_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fleet, "CAP", 2**20)
+    listed = json.dumps({"instances": [{"endpoint": "generate", "instance_id": i} for i in range(3)]})
+    whole = listed.encode().ljust(2**20)  # JSON padded with spaces to the byte
+    assert _health_of(whole) == (3, "")
+    assert _health_of(whole + b" ") == (_fleet.UNREADABLE, "its /health is over 1 MiB")
+    assert _health_of(b'{"instances": []}') == (
+        _fleet.UNREADABLE,
+        "its /health lists no workers (no instance serving generate)",
+    )
+    said = _health_of(b"\x1b]0;owned\x07\r\nnot json")[1]
+    assert said.startswith("its /health cannot be read (JSONDecodeError: ") and "\r" not in said

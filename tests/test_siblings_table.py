@@ -84,8 +84,29 @@ def test_a_key_whose_equality_raises_names_no_parent_and_is_reported_once(
         assert join(Unequal(), Siblings(2)) is None  # compared with the first: raises, no parent
         assert join(Unequal(), Siblings(2)) is None  # ... said once
     (said,) = [r for r in caplog.records if r.name == "otel_session"]
-    assert "key of type Unequal cannot be compared (RuntimeError)" in said.getMessage()
+    assert said.getMessage() == (
+        "otel-session: a trajectory(group=...) key of type Unequal cannot be compared (RuntimeError); "
+        "its attempt runs under its own session but names no parent, so the router places it alone. "
+        "Use a str, an int or a tuple of those. Logged once per process."
+    )
     assert said.exc_info is None  # the key's own code failed: no traceback of it
+
+
+class Unhashable:
+    def __hash__(self) -> int:
+        raise ValueError("no hash today")
+
+
+def test_a_key_whose_hash_raises_names_no_parent_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_siblings, "_unhashable", [])
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        assert join(Unhashable(), Siblings(2)) is None  # a prompt's key, hashed by join itself
+        assert _siblings.key_of(Unhashable()) is None  # trajectory(group=...)'s, hashed as it is made
+        assert _siblings.key_of(("ok", 1)) == GroupKey(("ok", 1))
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "otel_session"]
+    assert "a trajectory(group=...) key of type Unhashable cannot be hashed (ValueError); its " in said
 
 
 def test_a_ticket_equals_only_a_ticket_of_an_equal_key() -> None:

@@ -1299,3 +1299,90 @@ def test_a_nested_attempt_under_a_withheld_one_has_its_turns_judged(
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "inner"}])
     client.close()
     assert len(turns) == 1
+
+
+# ---- attempts ended out of order on one thread -------------------------------------------------------
+
+
+def _open(stack: list[Any], group: str | None = None) -> str:
+    attempt = trajectory(group=group)
+    stack.append(attempt)
+    attempt.__enter__()
+    assert attempt.session_id is not None
+    return attempt.session_id
+
+
+def test_attempts_ended_out_of_order_leave_the_thread_where_it_was(
+    configured: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Episodes on one thread each in its own ExitStack end in any order: the thread is inside the
+    innermost attempt still open, and outside all of them once all ended (never in an ended one);
+    no detach fails on the way (OpenTelemetry logs one that does)."""
+
+    def run() -> None:
+        opened: list[Any] = []
+        a, b, c = _open(opened), _open(opened), _open(opened)
+        assert otel_session.current_session_id() == c
+        opened[1].__exit__(None, None, None)  # b ends under c, which is still open
+        assert otel_session.current_session_id() == c
+        opened[0].__exit__(None, None, None)  # a too
+        assert otel_session.current_session_id() == c
+        opened[2].__exit__(None, None, None)  # c: the ended ones under it go with it
+        assert otel_session.current_session_id() is None and a != b
+        x, y = _open(opened), _open(opened)
+        opened[3].__exit__(None, None, None)
+        assert otel_session.current_session_id() == y
+        opened[4].__exit__(None, None, None)
+        assert otel_session.current_session_id() is None and x != y
+        z = _open(opened)  # in order, as ever
+        inner = _open(opened)
+        opened[6].__exit__(None, None, None)
+        assert otel_session.current_session_id() == z != inner
+        opened[5].__exit__(None, None, None)
+        assert otel_session.current_session_id() is None
+
+    with caplog.at_level(logging.DEBUG):
+        contextvars.copy_context().run(run)
+    assert otel_session.current_session_id() is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_attempts_of_two_groups_open_at_once_name_their_own_groups_parent() -> None:
+    otel_session.configure(dynamo_hosts=["dynamo.invalid:1"], siblings="prompt")
+    opened = []
+    for group in ("g1", "g1", "g2"):  # side by side, each in a context of its own (not nested)
+        attempt, where = trajectory(group=group), contextvars.copy_context()
+        where.run(attempt.__enter__)
+        opened.append((attempt, where))
+    a, b, c = (attempt.parent_session_id for attempt, _ in opened)
+    assert a is not None and a == b and c not in (None, a)
+    for attempt, where in opened:
+        where.run(attempt.__exit__, None, None, None)
+    assert _siblings.open_groups() == 0
+
+
+def test_an_attempt_ended_under_a_context_not_an_attempts_detaches_at_once(configured: None) -> None:
+    """Only another open attempt on top defers an attempt's detach: a context the application
+    attached on top (not an attempt's) is detached with it, as it always was."""
+
+    def run() -> None:
+        attempt = trajectory()
+        attempt.__enter__()
+        otel_context.attach(otel_context.Context())  # not an attempt's, never detached by the app
+        attempt.__exit__(None, None, None)
+        assert otel_session.current_session_id() is None
+        assert otel_context.get_current() == otel_context.Context()
+
+    contextvars.copy_context().run(run)
+
+
+def test_an_unhashable_group_runs_alone_and_is_not_read_from_its_prompt(router: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[router.url], siblings="prompt")
+    body = {"model": "m", "messages": [{"role": "user", "content": "same"}]}
+    parents = []
+    for key in (["a"], ["a"], None, None):
+        with trajectory(group=key) as attempt:
+            httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=10)
+            parents.append(attempt.parent_session_id)
+    assert parents[:2] == [None, None]  # no group, and none read from the prompt either
+    assert None not in parents[2:]  # plain attempts: their group read from the prompt
