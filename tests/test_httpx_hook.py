@@ -7,8 +7,14 @@ faults of ours that must never reach the request. Quick enough to judge every mu
 
 from __future__ import annotations
 
+import http.server
 import json
 import logging
+import os
+import shutil
+import socketserver
+import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -149,6 +155,21 @@ def _first_only(self: Any, key: str, default: Any = None) -> Any:
     return default
 
 
+def _delete_as_given(self: Any, key: str) -> None:
+    self._list = [item for item in self._list if item[1] != key.encode()]
+
+
+def _get_as_given(self: Any, key: str, default: Any = None) -> Any:
+    found = [value.decode() for _, lower, value in self._list if lower == key.encode()]
+    return ", ".join(found) if found else default
+
+
+def test_a_headers_class_whose_lookup_takes_lower_case_names_only_is_still_read_through_its_list() -> None:
+    """The fast path reads ``_list`` itself; of the public lookups it needs only one by a lower-case
+    name to join repeated values."""
+    assert hook._headers_are_listed(_headers_kind("GetAsGiven", get=_get_as_given)) is True
+
+
 def _lost_added(self: Any, key: str, default: Any = None) -> Any:
     return httpx.Headers.get(self, key, default) if key != "new" else default
 
@@ -159,6 +180,7 @@ def _lost_added(self: Any, key: str, default: Any = None) -> Any:
         _headers_kind("Extra", __init__=_extra_attribute),
         _headers_kind("Lowered", __init__=_lowered_raw),
         _headers_kind("ExactDelete", __delitem__=_exact_delete),
+        _headers_kind("DeleteAsGiven", __delitem__=_delete_as_given),
         _headers_kind("FirstOnly", get=_first_only),
         _headers_kind("LostAdded", get=_lost_added),
         _headers_kind("Refuses", __init__=lambda self, *a: 1 / 0),
@@ -248,6 +270,19 @@ def test_other_headers_are_copied_by_their_own_copy_with_the_edits_made() -> Non
     assert dict(copy) == {"accept": "x", "x-dynamo-session-id": "s1"}
     assert dict(caller) == {"baggage": "theirs", "accept": "x"}
     assert dict(hook._copy_headers(caller)) == dict(caller)
+    mapping = {"Baggage": "theirs", "Accept": "x"}
+    copied = hook._copy_headers(mapping, [("Baggage", None), ("X-Dynamo-Session-ID", "s1")])
+    assert copied == {"Accept": "x", "X-Dynamo-Session-ID": "s1"} and mapping["Baggage"] == "theirs"
+
+
+def test_a_listed_copy_reads_its_values_in_the_callers_encoding() -> None:
+    caller = httpx.Headers({"A": b"\xc3\xa9"}, encoding="iso-8859-1")
+    wire = ((b"X-Dynamo-Session-ID", b"x-dynamo-session-id", b"s1"),)
+    for copy in (
+        hook._copy_headers(caller),
+        hook._copy_headers(caller, [("X-Dynamo-Session-ID", "s1")], wire),
+    ):
+        assert copy["a"] == caller["a"] == "\u00c3\u00a9"
 
 
 def test_a_stand_in_holds_just_what_httpxs_transport_reads() -> None:
@@ -616,7 +651,8 @@ def test_an_async_wrapping_transport_carries_the_session_and_re_targeting_is_pla
     session = asyncio.run(main())
     first, second = server.requests
     assert first.get(SESSION_HEADER) == session and first.get("baggage") is None
-    assert second.get(SESSION_HEADER) == session  # planned again for where it really went
+    assert second.values(SESSION_HEADER) == [session]  # planned again for where it really went
+    assert second.get("baggage") is None
 
 
 @pytest.mark.filterwarnings("ignore:coroutine 'AsyncForward.handle_async_request' was never awaited")
@@ -755,3 +791,214 @@ def test_a_client_whose_transports_cannot_be_looked_into_is_built_and_sends_as_i
         assert client.send(client.build_request("GET", f"{router.url}/a")).status_code == 200
     assert router.requests[0].get(SESSION_HEADER) == traj.session_id
     assert reports == ["otel-session: instrumenting a httpx transport failed (RuntimeError)"]
+
+
+def test_instrumenting_finds_the_fast_paths_and_builds_one_client_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(hook, "_stand_ins_for", set())
+    monkeypatch.setattr(hook, "_parsed_urls", set())
+    instrumentor = hook.HTTPXSessionInstrumentor()
+    first = instrumentor.targets(httpx)
+    assert hook._stand_ins_for == {httpx.Request} and hook._parsed_urls == {httpx.URL}
+    again = instrumentor.targets(httpx)
+    hooks = {
+        id(wrapper) for targets in (first, again) for owner, name, wrapper in targets if name == "__init__"
+    }
+    assert len(hooks) == 1 and instrumentor._client_hook is not None
+    assert {(owner, name) for owner, name, _ in first[:4]} == {
+        (httpx.HTTPTransport, "handle_request"),
+        (httpx.AsyncHTTPTransport, "handle_async_request"),
+        (httpx.Client, "__init__"),
+        (httpx.AsyncClient, "__init__"),
+    }
+
+
+# --- a transport that answers itself, and one over a Unix socket ------------------------------------
+
+
+class Echo(httpx.BaseTransport):
+    """A transport of another class that answers in-process with the headers it was handed."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=[[k.decode(), v.decode()] for k, v in request.headers.raw])
+
+
+class AsyncEcho(httpx.AsyncBaseTransport):
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=[[k.decode(), v.decode()] for k, v in request.headers.raw])
+
+
+class Retarget(httpx.BaseTransport):
+    """A transport wrapping another: sends to ``to`` (a host), adding a header of its own."""
+
+    def __init__(self, inner: httpx.BaseTransport, to: str | None = None) -> None:
+        self.inner, self.to = inner, to
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.to is not None:
+            request.url = request.url.copy_with(host=self.to)
+        request.headers["X-Forward"] = "1"
+        return self.inner.handle_request(request)
+
+
+def _echoed(response: httpx.Response) -> list[tuple[str, str]]:
+    return [(name.lower(), value) for name, value in response.json()]
+
+
+def test_a_transport_answering_itself_gets_our_copy_and_the_callers_request_is_left_alone(
+    server: Recorder,
+) -> None:
+    otel_session.configure(dynamo_hosts=[server.authority], trusted_hosts=["127.0.0.3"])
+    with otel_session.trajectory() as traj, httpx.Client(transport=Echo()) as client:
+        request = client.build_request("GET", f"{server.url}/a", headers={"X-Mine": "1"})
+        assert ("x-dynamo-session-id", traj.session_id) in _echoed(client.send(request))
+        assert request.headers.get(SESSION_HEADER) is None
+        mine = _echoed(client.get(f"{server.url}/a", headers={"X-Dynamo-Session-ID": "mine"}))
+        assert [v for k, v in mine if k == "x-dynamo-session-id"] == ["mine"]
+        trusted = _echoed(client.get("http://127.0.0.3/a", headers={"baggage": "k=v"}))
+        assert [v for k, v in trusted if k == "baggage"] == [f"k=v,session.id={traj.session_id}"]
+        assert hook._in_flight == {}
+
+
+def test_a_wrapping_transport_re_targeting_to_a_transport_answering_itself_has_the_hop_planned_again(
+    server: Recorder,
+) -> None:
+    otel_session.configure(dynamo_hosts=[server.authority], trusted_hosts=["127.0.0.3"])
+    with otel_session.trajectory() as traj:
+        with httpx.Client(transport=Retarget(Echo(), to="127.0.0.3")) as client:
+            moved = _echoed(client.get(f"{server.url}/a"))
+        with httpx.Client(transport=Retarget(Echo())) as client:
+            stayed = _echoed(client.get(f"{server.url}/a"))
+        with httpx.Client(transport=Retarget(Echo(), to="127.0.0.1")) as client:
+            mine = _echoed(client.get("http://127.0.0.3/a", headers={"X-Dynamo-Session-ID": "mine"}))
+    names = {name for name, _ in moved}
+    assert ("baggage", f"session.id={traj.session_id}") in moved and "x-dynamo-session-id" not in names
+    assert ("x-dynamo-session-id", traj.session_id) in stayed and ("x-forward", "1") in stayed
+    assert [v for k, v in mine if k == "x-dynamo-session-id"] == ["mine"] and "baggage" not in dict(mine)
+
+
+def test_a_wrapping_transport_keeps_what_it_added_on_the_way_to_httpxs_transport(router: Recorder) -> None:
+    with otel_session.trajectory() as traj, httpx.Client(transport=Retarget(httpx.HTTPTransport())) as client:
+        assert client.get(f"{router.url}/a").status_code == 200
+    [seen] = router.requests
+    assert seen.get("X-Forward") == "1" and seen.values(SESSION_HEADER) == [traj.session_id]
+
+
+def test_a_stock_propagator_injecting_on_the_way_is_taken_back_at_the_router(router: Recorder) -> None:
+    class Injecting(httpx.BaseTransport):
+        """As an upstream instrumentation between two transports would: inject into the request."""
+
+        def __init__(self) -> None:
+            self.inner = httpx.HTTPTransport()
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            propagate.inject(request.headers)
+            return self.inner.handle_request(request)
+
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([W3CBaggagePropagator(), SessionPropagator()]))
+    try:
+        with otel_session.trajectory() as traj, httpx.Client(transport=Injecting()) as client:
+            assert client.get(f"{router.url}/a", headers={"X-Mine": "1"}).status_code == 200
+    finally:
+        propagate.set_global_textmap(before)
+    [seen] = router.requests
+    assert seen.values(SESSION_HEADER) == [traj.session_id] and seen.get("baggage") is None
+    assert seen.get("X-Mine") == "1"
+
+
+def test_a_transport_answering_itself_decides_the_attempts_group_from_its_body(server: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[server.authority], siblings="prompt")
+    with otel_session.trajectory() as traj, httpx.Client(transport=Echo()) as client:
+        seen = dict(_echoed(client.post(f"{server.url}/v1/chat/completions", json=_chat("p"))))
+    assert seen["x-dynamo-session-id"] == traj.session_id
+    assert seen["x-dynamo-parent-session-id"] == traj.parent_session_id is not None
+
+
+def test_a_transport_called_without_a_request_refuses_as_without_us(
+    router: Recorder, reports: list[str]
+) -> None:
+    import asyncio
+
+    with otel_session.trajectory():
+        with pytest.raises(TypeError):
+            Echo().handle_request()  # type: ignore[call-arg]
+        with pytest.raises(TypeError):
+            asyncio.run(AsyncEcho().handle_async_request())  # type: ignore[call-arg]
+        with pytest.raises(TypeError):
+            httpx.HTTPTransport().handle_request()  # type: ignore[call-arg]
+    assert reports == []
+
+
+def test_a_fault_of_ours_in_a_transport_answering_itself_is_reported_and_the_request_answered(
+    router: Recorder, reports: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> Any:
+        raise RuntimeError("ours")
+
+    monkeypatch.setattr(_hop, "current", broken)
+    with httpx.Client(transport=Echo()) as client:
+        assert client.get(f"{router.url}/a", headers={"X-Mine": "1"}).status_code == 200
+    assert reports == ["otel-session: adding session headers to a request failed (RuntimeError)"]
+
+
+class _UnixRecorder(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    seen: list[dict[str, str]]
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def do_GET(self) -> None:
+        self.server.seen.append({k.lower(): v for k, v in self.headers.items()})  # type: ignore[attr-defined]
+        self.send_response(503 if self.path == "/fail" else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def unix_server() -> Iterator[_UnixRecorder]:
+    """An HTTP server on a Unix socket: a local process, whatever host the URL names."""
+    folder = tempfile.mkdtemp(dir="/tmp")
+    served = _UnixRecorder(os.path.join(folder, "s"), _Answer)
+    served.seen = []
+    thread = threading.Thread(target=served.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield served
+    served.shutdown()
+    served.server_close()
+    thread.join(5)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_url_names(
+    router: Recorder, unix_server: _UnixRecorder
+) -> None:
+    import asyncio
+
+    unix_server.seen.clear()
+    path = str(unix_server.server_address)
+    _evidence.forget()
+    try:
+        with otel_session.trajectory():
+            with httpx.Client(transport=httpx.HTTPTransport(uds=path)) as client:
+                assert client.get(f"{router.url}/a").status_code == 200
+                assert client.get(f"{router.url}/fail").status_code == 503
+            with httpx.Client(transport=Retarget(httpx.HTTPTransport(uds=path))) as client:
+                assert client.get(f"{router.url}/b").status_code == 200
+
+            async def main() -> int:
+                async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path)) as client:
+                    return (await client.get(f"{router.url}/c")).status_code
+
+            assert asyncio.run(main()) == 200
+        assert _evidence.routers == {}
+    finally:
+        _evidence.forget()
+    assert len(unix_server.seen) == 4
+    assert not {name for seen in unix_server.seen for name in seen} & OURS
