@@ -373,7 +373,9 @@ def test_baggage_goes_to_a_trusted_host(server: Recorder) -> None:
     otel_session.configure(dynamo_hosts=["127.0.0.1:1"], trusted_hosts=[server.authority])
     with otel_session.trajectory() as traj, httpx.Client() as client:
         client.get(f"{server.url}/a")
+        client.get(f"{server.url}/b", headers={"baggage": "k=v"})
     assert server.requests[0].get("baggage") == f"session.id={traj.session_id}"
+    assert server.requests[1].values("baggage") == [f"k=v,session.id={traj.session_id}"]
 
 
 def test_a_callers_own_session_header_is_kept(router: Recorder) -> None:
@@ -799,6 +801,7 @@ def test_instrumenting_finds_the_fast_paths_and_builds_one_client_hook(
     monkeypatch.setattr(hook, "_stand_ins_for", set())
     monkeypatch.setattr(hook, "_parsed_urls", set())
     instrumentor = hook.HTTPXSessionInstrumentor()
+    monkeypatch.setattr(instrumentor, "_client_hook", None)  # as first instrumented
     first = instrumentor.targets(httpx)
     assert hook._stand_ins_for == {httpx.Request} and hook._parsed_urls == {httpx.URL}
     again = instrumentor.targets(httpx)
@@ -832,12 +835,12 @@ class AsyncEcho(httpx.AsyncBaseTransport):
 class Retarget(httpx.BaseTransport):
     """A transport wrapping another: sends to ``to`` (a host), adding a header of its own."""
 
-    def __init__(self, inner: httpx.BaseTransport, to: str | None = None) -> None:
-        self.inner, self.to = inner, to
+    def __init__(self, inner: httpx.BaseTransport, to: str | None = None, port: int | None = None) -> None:
+        self.inner, self.to, self.port = inner, to, port
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if self.to is not None:
-            request.url = request.url.copy_with(host=self.to)
+            request.url = request.url.copy_with(host=self.to, port=self.port)
         request.headers["X-Forward"] = "1"
         return self.inner.handle_request(request)
 
@@ -870,7 +873,7 @@ def test_a_wrapping_transport_re_targeting_to_a_transport_answering_itself_has_t
             moved = _echoed(client.get(f"{server.url}/a"))
         with httpx.Client(transport=Retarget(Echo())) as client:
             stayed = _echoed(client.get(f"{server.url}/a"))
-        with httpx.Client(transport=Retarget(Echo(), to="127.0.0.1")) as client:
+        with httpx.Client(transport=Retarget(Echo(), to="127.0.0.1", port=server.port)) as client:
             mine = _echoed(client.get("http://127.0.0.3/a", headers={"X-Dynamo-Session-ID": "mine"}))
     names = {name for name, _ in moved}
     assert ("baggage", f"session.id={traj.session_id}") in moved and "x-dynamo-session-id" not in names
@@ -991,6 +994,9 @@ def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_url_name
                 assert client.get(f"{router.url}/fail").status_code == 503
             with httpx.Client(transport=Retarget(httpx.HTTPTransport(uds=path))) as client:
                 assert client.get(f"{router.url}/b").status_code == 200
+            by_name = httpx.HTTPTransport(uds=path)
+            assert by_name.handle_request(request=httpx.Request("GET", f"{router.url}/d")).status_code == 200
+            by_name.close()
 
             async def main() -> int:
                 async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=path)) as client:
@@ -1000,5 +1006,5 @@ def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_url_name
         assert _evidence.routers == {}
     finally:
         _evidence.forget()
-    assert len(unix_server.seen) == 4
+    assert len(unix_server.seen) == 5
     assert not {name for seen in unix_server.seen for name in seen} & OURS
