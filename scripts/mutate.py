@@ -99,6 +99,8 @@ _BASE_TESTS = (
 _URLLIB3_TESTS = ("tests/test_urllib3_hook.py", "tests/test_requests_client.py", "tests/test_transparent.py")
 # The httpx hook: its own rules, then httpx's clients end to end over one loopback server.
 _HTTPX_TESTS = ("tests/test_httpx_hook.py", "tests/test_transparent.py")
+# The aiohttp client hook: its own rules, then aiohttp's client end to end over one loopback server.
+_AIOHTTP_TESTS = ("tests/test_aiohttp_hook.py", "tests/test_transparent.py")
 MODULES: dict[str, tuple[str, ...]] = {
     "_policy": _RULES_TESTS,
     "_hosts": _RULES_TESTS,
@@ -126,7 +128,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_crowding": _EVIDENCE_TESTS,
     "instrumentation._base": _BASE_TESTS,
     "instrumentation.httpx": _HTTPX_TESTS,
-    "instrumentation.aiohttp_client": _CLIENT_TESTS,
+    "instrumentation.aiohttp_client": _AIOHTTP_TESTS,
     "instrumentation.urllib3_client": _URLLIB3_TESTS,
 }
 SEED = 20261205
