@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import logging
 import os
 import shutil
@@ -25,12 +26,15 @@ import aiohttp
 import multidict
 import pytest
 import trustme
+from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
+from yarl import URL
 
 import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _evidence, _faults, _hop, _metrics
+from otel_session._context import HOP_KEY
 from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import aiohttp_client as hook
 from tests.proxy import RecordingProxy
@@ -483,7 +487,7 @@ def unix_server() -> Iterator[_UnixRecorder]:
 
 
 async def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_url_names(
-    router: Recorder, unix_server: _UnixRecorder
+    router: Recorder, unix_server: _UnixRecorder, reports: list[str]
 ) -> None:
     unix_server.seen.clear()
     connector = aiohttp.UnixConnector(path=str(unix_server.server_address))
@@ -492,4 +496,226 @@ async def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_ur
             async with http.get(f"{router.url}/a") as reply:
                 assert reply.status == 200
     [seen] = unix_server.seen
-    assert not set(seen) & OURS
+    assert not set(seen) & OURS and reports == []
+
+
+# --- one send, rule by rule: _planned and _hop_send on a request's shape -------------------------
+
+
+class _Answer_:
+    """What the original's coroutine returns: a response, weakly referenced while watched."""
+
+
+ANSWER = _Answer_()
+
+
+def _request(url: str, headers: Any) -> Any:
+    """What ``_planned`` and ``_hop_send`` read and set of a ``ClientRequest``."""
+    return SimpleNamespace(method="GET", headers=headers, url=URL(url), body=None)
+
+
+@pytest.fixture
+def flying() -> Iterator[dict[int, tuple[Any, Any]]]:
+    yield hook._in_flight
+    hook._in_flight.clear()
+
+
+async def test_a_send_of_another_sends_copy_starts_from_the_callers_headers(
+    router: Recorder, flying: dict[int, tuple[Any, Any]], reports: list[str]
+) -> None:
+    callers = multidict.CIMultiDict({"X-Mine": "1"})
+    other = multidict.CIMultiDict({"X-Mine": "1", SESSION_HEADER: "another"})
+    flying[id(other)] = (other, callers)
+    instance = _request(f"{router.url}/a", other)
+    with otel_session.trajectory() as traj:
+        planned = hook._planned(instance, (), {})
+        assert planned is not None
+        got, swap, plan, held, watched = planned
+        assert got is callers and swap is True and held == {} and watched is False
+        assert plan is not None and plan.edits == [(SESSION_HEADER, traj.session_id)]
+        seen: list[tuple[Any, dict[int, Any], Any]] = []
+
+        async def sending() -> Any:
+            seen.append((instance.headers, dict(flying), otel_context.get_value(HOP_KEY)))
+            return ANSWER
+
+        assert await hook._hop_send(sending(), instance, *planned) is ANSWER
+    [(headers, during, hop)] = seen
+    assert headers is not callers and headers is not other and hop is None
+    assert during[id(headers)] == (headers, callers)
+    assert instance.headers is headers and list(headers.items()) == [("X-Mine", "1")]  # ours out after
+    assert id(headers) not in flying and list(callers.items()) == [("X-Mine", "1")]
+    flying[id(other)] = (object(), callers)  # an id reused by another object: not a copy of ours
+    instance.headers = other
+    with otel_session.trajectory():
+        again = hook._planned(instance, (), {})
+    assert again is None  # its own session header: nothing to add, nothing to swap
+    assert reports == []
+
+
+async def test_outside_a_trajectory_a_send_is_left_alone_unless_it_holds_another_sends_copy(
+    router: Recorder, flying: dict[int, tuple[Any, Any]], reports: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_hop, "untold", False)
+    callers = multidict.CIMultiDict({"X-Mine": "1"})
+    instance = _request(f"{router.url}/a", callers)
+    assert hook._planned(instance, (), {}) is None
+    flying[id(object())] = (object(), callers)  # some other send under way
+    assert hook._planned(instance, (), {}) is None
+    other = multidict.CIMultiDict({"X-Mine": "1", SESSION_HEADER: "another"})
+    flying[id(other)] = (other, callers)
+    instance.headers = other
+    planned = hook._planned(instance, (), {})
+    assert planned == (callers, True, None, hook._NOTHING, False)
+
+    async def sending() -> Any:
+        return ANSWER
+
+    assert await hook._hop_send(sending(), instance, *planned) is ANSWER
+    assert instance.headers is not callers and list(instance.headers.items()) == [("X-Mine", "1")]
+    assert reports == [] and id(instance.headers) not in flying
+
+
+async def test_a_watched_send_runs_in_a_context_naming_its_hop_for_its_own_headers(
+    router: Recorder, flying: dict[int, tuple[Any, Any]]
+) -> None:
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([W3CBaggagePropagator(), SessionPropagator()]))
+    try:
+        with otel_session.trajectory():
+            elsewhere = _request("http://127.0.0.9:1/a", multidict.CIMultiDict())
+            planned = hook._planned(elsewhere, (), {})
+            assert planned is not None and planned[4] is True and planned[2] is not None
+            assert planned[2].edits == []
+            instance = _request(f"{router.url}/a", multidict.CIMultiDict({"X-Mine": "1"}))
+            planned = hook._planned(instance, (), {})
+            assert planned is not None and planned[4] is True
+            hops: list[Any] = []
+
+            async def sending() -> Any:
+                hops.append(otel_context.get_value(HOP_KEY))
+                return ANSWER
+
+            assert await hook._hop_send(sending(), instance, *planned) is ANSWER
+            assert otel_context.get_value(HOP_KEY) is None
+    finally:
+        propagate.set_global_textmap(before)
+    [hop] = hops
+    assert hop.carrier is instance.headers and hop.route.profile.name == "dynamo"
+    assert hop.added == frozenset({"x-dynamo-session-id"})
+    with otel_session.trajectory():
+        assert hook._planned(_request("http://127.0.0.9:1/a", multidict.CIMultiDict()), (), {}) is None
+
+
+async def test_a_fault_of_ours_after_the_copy_is_made_puts_the_callers_headers_back(
+    router: Recorder, flying: dict[int, tuple[Any, Any]], reports: list[str]
+) -> None:
+    callers = multidict.CIMultiDict({"X-Mine": "1"})
+    instance = _request(f"{router.url}/a", callers)
+    with otel_session.trajectory():
+        planned = hook._planned(instance, (), {})
+        assert planned is not None
+        got, swap, plan, held, _ = planned
+        broken = SimpleNamespace(edits=plan.edits, delivered=plan.delivered, route=plan.route, hop=None)
+        sent: list[Any] = []
+
+        async def sending() -> Any:
+            sent.append(instance.headers)
+            return ANSWER
+
+        assert await hook._hop_send(sending(), instance, got, swap, broken, held, True) is ANSWER
+    assert sent == [callers] and instance.headers is callers and flying == {}
+    assert list(callers.items()) == [("X-Mine", "1")]
+    assert reports == ["otel-session: adding session headers to a request failed (AttributeError)"]
+    other = multidict.CIMultiDict({SESSION_HEADER: "another"})
+    instance.headers = other
+    with otel_session.trajectory():
+        assert await hook._hop_send(sending(), instance, callers, True, broken, {}, True) is ANSWER
+    assert instance.headers is callers and flying == {}
+
+
+def test_an_attempts_group_is_decided_from_a_body_held_as_bytes(router: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="prompt")
+    destination = ("http", "127.0.0.1", router.port)
+    body = json.dumps(_chat("p")).encode()
+    with otel_session.trajectory():
+        offered = _hop.current()
+        assert offered is not None
+        assert hook._decided(offered, SimpleNamespace(body=body), destination).offer.parent is not None
+    with otel_session.trajectory():
+        offered = _hop.current()
+        assert offered is not None
+        assert hook._decided(offered, SimpleNamespace(body=object()), destination).offer.parent is None
+
+
+async def test_inside_a_trajectory_a_send_to_the_router_is_not_told_as_outside(
+    router: Recorder, reports: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_hop, "untold", True)
+    caplog.set_level(logging.ERROR, "opentelemetry.context")
+    async with aiohttp.ClientSession() as http:
+        with otel_session.trajectory():
+            async with http.get(f"{router.url}/a") as reply:
+                assert reply.status == 200
+    assert reports == [] and not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+
+
+async def test_a_callers_own_baggage_to_another_host_is_kept_where_ours_is_the_only_propagator(
+    server: Recorder,
+) -> None:
+    otel_session.configure(dynamo_hosts=["127.0.0.1:1"])
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(SessionPropagator())
+    try:
+        async with aiohttp.ClientSession() as http:
+            with otel_session.trajectory() as traj:
+                mine = {"baggage": f"session.id={traj.session_id}"}
+                async with http.get(f"{server.url}/a", headers=mine) as reply:
+                    assert reply.status == 200
+    finally:
+        propagate.set_global_textmap(before)
+    assert server.requests[0].get("baggage") == f"session.id={traj.session_id}"
+
+
+async def test_usage_read_twice_from_one_response_is_one_turn_and_json_elsewhere_is_aiohttps_own(
+    router: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    turns = Recording()
+    monkeypatch.setattr(_metrics, "turns", turns)
+    _evidence.forget()
+    try:
+        async with aiohttp.ClientSession() as http:
+            with otel_session.trajectory():
+                async with http.post(f"{router.url}/v1/chat/completions", json=_chat("p")) as reply:
+                    await reply.json()
+                    await reply.json()
+            async with http.post(f"{router.url}/v1/chat/completions", json=_chat("p")) as reply:
+                reading = reply.json()
+                assert reading.__qualname__ == "ClientResponse.json"
+                await reading
+    finally:
+        _evidence.forget()
+    assert len(turns.added) == 1
+
+
+def test_a_keys_view_folding_stored_names_only_is_asked_with_lower_case_names() -> None:
+    """The hook asks its keys view with lower-case names only: a class that lowers the names it
+    stores (and compares the names asked as given) still folds for it."""
+
+    class Lowered:
+        def __init__(self, names: Any) -> None:
+            self.names = {name.lower() for name in names}
+
+        def isdisjoint(self, other: Any) -> bool:
+            return self.names.isdisjoint(other)
+
+    class StoresLower(multidict.CIMultiDict):  # type: ignore[type-arg]
+        def keys(self) -> Any:
+            return Lowered(super().keys())
+
+    class ClaimsEverything(multidict.CIMultiDict):  # type: ignore[type-arg]
+        def keys(self) -> Any:
+            return SimpleNamespace(isdisjoint=lambda other: False)
+
+    assert hook._folds_case(StoresLower) is True
+    assert hook._folds_case(ClaimsEverything) is False
