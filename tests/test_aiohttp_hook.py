@@ -719,3 +719,42 @@ def test_a_keys_view_folding_stored_names_only_is_asked_with_lower_case_names() 
 
     assert hook._folds_case(StoresLower) is True
     assert hook._folds_case(ClaimsEverything) is False
+
+
+async def test_a_request_to_another_host_first_leaves_the_group_to_the_routers_request(
+    server: Recorder,
+) -> None:
+    otel_session.configure(dynamo_hosts=[f"localhost:{server.port}"], siblings="prompt")
+    async with aiohttp.ClientSession() as http:
+        with otel_session.trajectory() as traj:
+            async with http.post(f"{server.url}/tool", json={"a": 1}) as reply:
+                assert reply.status == 200
+            async with http.post(
+                f"http://localhost:{server.port}/v1/chat/completions", json=_chat("p")
+            ) as reply:
+                assert reply.status == 200
+    tool, chat = server.requests
+    assert not tool.names() & OURS
+    assert chat.get(SESSION_HEADER) == traj.session_id and chat.get(PARENT_SESSION_HEADER) is not None
+
+
+async def test_a_send_of_another_sends_copy_with_nothing_to_add_counts_no_request(
+    router: Recorder, flying: dict[int, tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = Recording()
+    monkeypatch.setattr(_metrics, "recording", lambda: True)
+    monkeypatch.setattr(_metrics, "requests", counted)
+    callers = multidict.CIMultiDict({SESSION_HEADER: "mine"})
+    other = multidict.CIMultiDict({SESSION_HEADER: "mine", "X-Other": "1"})
+    flying[id(other)] = (other, callers)
+    instance = _request(f"{router.url}/a", other)
+    with otel_session.trajectory():
+        planned = hook._planned(instance, (), {})
+        assert planned is not None and planned[1] is True and planned[2] is not None
+        assert planned[2].edits == []
+
+        async def sending() -> Any:
+            return ANSWER
+
+        assert await hook._hop_send(sending(), instance, *planned) is ANSWER
+    assert counted.added == [] and list(instance.headers.items()) == [(SESSION_HEADER, "mine")]

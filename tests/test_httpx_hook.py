@@ -874,11 +874,15 @@ def test_a_wrapping_transport_re_targeting_to_a_transport_answering_itself_has_t
         with httpx.Client(transport=Retarget(Echo())) as client:
             stayed = _echoed(client.get(f"{server.url}/a"))
         with httpx.Client(transport=Retarget(Echo(), to="127.0.0.1", port=server.port)) as client:
-            mine = _echoed(client.get("http://127.0.0.3/a", headers={"X-Dynamo-Session-ID": "mine"}))
+            mine = _echoed(
+                client.get("http://127.0.0.3/a", headers={"X-Dynamo-Session-ID": "mine", "Baggage": "k=v"})
+            )
     names = {name for name, _ in moved}
     assert ("baggage", f"session.id={traj.session_id}") in moved and "x-dynamo-session-id" not in names
+    assert ("x-forward", "1") in moved and ("x-forward", "1") in mine  # the wrapping transport's own
     assert ("x-dynamo-session-id", traj.session_id) in stayed and ("x-forward", "1") in stayed
-    assert [v for k, v in mine if k == "x-dynamo-session-id"] == ["mine"] and "baggage" not in dict(mine)
+    assert [v for k, v in mine if k == "x-dynamo-session-id"] == ["mine"]
+    assert [v for k, v in mine if k == "baggage"] == ["k=v"]  # the caller's own, without ours
 
 
 def test_a_wrapping_transport_keeps_what_it_added_on_the_way_to_httpxs_transport(router: Recorder) -> None:
@@ -1007,4 +1011,5 @@ def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_url_name
     finally:
         _evidence.forget()
     assert len(unix_server.seen) == 5
+    assert unix_server.seen[2].get("x-forward") == "1"  # what the transport above added stays
     assert not {name for seen in unix_server.seen for name in seen} & OURS
