@@ -80,6 +80,10 @@ _BASE_TESTS = (
 # The urllib3 hook: its own rules, then requests and urllib3 end to end over loopback (the files of
 # _CLIENT_TESTS never send through urllib3 but test_leaks' two calls, and cost minutes per survivor).
 _URLLIB3_TESTS = ("tests/test_urllib3_hook.py", "tests/test_requests_client.py", "tests/test_transparent.py")
+# The httpx hook: its own rules, then httpx's clients end to end over one loopback server.
+_HTTPX_TESTS = ("tests/test_httpx_hook.py", "tests/test_transparent.py")
+# The aiohttp client hook: its own rules, then aiohttp's client end to end over one loopback server.
+_AIOHTTP_TESTS = ("tests/test_aiohttp_hook.py", "tests/test_transparent.py")
 MODULES: dict[str, tuple[str, ...]] = {
     "_policy": _RULES_TESTS,
     "_hosts": _RULES_TESTS,
@@ -106,8 +110,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_metrics": _EVIDENCE_TESTS,
     "_crowding": _EVIDENCE_TESTS,
     "instrumentation._base": _BASE_TESTS,
-    "instrumentation.httpx": _CLIENT_TESTS,
-    "instrumentation.aiohttp_client": _CLIENT_TESTS,
+    "instrumentation.httpx": _HTTPX_TESTS,
+    "instrumentation.aiohttp_client": _AIOHTTP_TESTS,
     "instrumentation.urllib3_client": _URLLIB3_TESTS,
 }
 SEED = 20261205

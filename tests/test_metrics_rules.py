@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from otel_session import _faults, _metrics
+from otel_session import _faults, _metrics, _settings
 
 
 class Recording:
@@ -157,3 +157,48 @@ def test_a_request_outside_a_trajectory_is_counted_only_to_a_router(monkeypatch:
     _metrics.outside("http", "10.9.9.9", 8000)  # not a router
     _metrics.outside("http", "127.0.0.1", 8000)
     assert seen == [("dynamo", ("http", "127.0.0.1", 8000), None)]
+
+
+def test_recording_reads_the_apis_global_without_the_public_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the API keeps its provider in a global, that global is the answer: the public
+    ``get_meter_provider()`` (an environment lookup on every request) is never called."""
+
+    def never() -> object:
+        raise AssertionError("get_meter_provider called on the request path")
+
+    monkeypatch.setattr(_metrics.metrics, "get_meter_provider", never)
+    monkeypatch.setattr(_metrics._api, "_METER_PROVIDER", None, raising=False)
+    assert _metrics.recording() is False
+    monkeypatch.setattr(_metrics._api, "_METER_PROVIDER", object())
+    assert _metrics.recording() is True
+
+
+def test_a_sessions_request_after_an_error_answer_is_one_retry_under_its_routers_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import otel_session
+
+    counted = Recording()
+    monkeypatch.setattr(_metrics, "requests", counted)
+    monkeypatch.setattr(_metrics, "error_responses", Recording())
+    monkeypatch.setattr(_metrics, "failed", set())
+    monkeypatch.setattr(_metrics, "_attributes", {})
+    otel_session.configure(dynamo_hosts=["127.0.0.1:8000"])
+    settings = _settings.current
+    assert settings is not None
+    profile = settings.rules.route("http", "127.0.0.1", 8000).profile
+    assert profile is not None
+    destination = ("http", "127.0.0.1", 8000)
+    _metrics.answered_error(_metrics.router_of(profile, "127.0.0.1", 8000), "s1", 503)
+    _metrics.sent(profile, destination, "s2")  # another session: not a retry
+    _metrics.sent(profile, destination, "s1")  # the retry
+    _metrics.sent(profile, destination, "s1")  # the one after: not a retry again
+    _metrics.sent(profile, destination, None)
+    router = {"otel_session.router.profile": "dynamo", "server.address": "127.0.0.1", "server.port": 8000}
+    assert counted.added == [
+        (1, {**router, "otel_session.session": True, "otel_session.retry": False}),
+        (1, {**router, "otel_session.session": True, "otel_session.retry": True}),
+        (1, {**router, "otel_session.session": True, "otel_session.retry": False}),
+        (1, {**router, "otel_session.session": False, "otel_session.retry": False}),
+    ]
+    assert _metrics.failed == set()

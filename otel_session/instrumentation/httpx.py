@@ -245,7 +245,8 @@ def _where(transport: Any, request: Any) -> _hop.Destination:
 
 def _replan_at(request: Any, entry: tuple[Any, _hop.Destination, Any], destination: _hop.Destination) -> Any:
     """Our copy, as a transport above planned it, reaching ``destination``: planned again from the
-    caller's headers if it goes elsewhere than planned (re-targeted, or over a Unix socket), and
+    caller's values of the names a hop reads if it goes elsewhere than planned (re-targeted, or over
+    a Unix socket), keeping what the transports above added on the way, and
     edited in place (it is ours). Where stock propagators are composed with ours, an upstream
     instrumentation may have injected into it on the way: what is recognisably ours is taken back."""
     if destination == entry[1]:
@@ -258,11 +259,18 @@ def _replan_at(request: Any, entry: tuple[Any, _hop.Destination, Any], destinati
                     _carriers.apply(request.headers, plan.given(held, False).edits)
         return request
     callers = entry[2]
-    headers = _copy_headers(callers)
     offered = _hop.current()
-    if offered is not None:
+    if offered is None:
+        headers = _copy_headers(callers)
+    else:
+        # What the transports above added on the way stays; only the names the two hops read go
+        # back to the caller's values before the hop is planned for where it really goes.
+        headers = _copy_headers(request.headers)
         plan, _ = _planned(offered, callers, destination)
-        _carriers.apply(headers, plan.edits)
+        names = {*offered.plan(*entry[1]).names, *plan.names}
+        for name in names:
+            _carriers.remove(headers, name)
+        _carriers.apply(headers, [*_carriers.read(callers, names).items(), *plan.edits])
         if plan.edits:
             plan.delivered()
     request.headers = headers
