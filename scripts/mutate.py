@@ -57,20 +57,8 @@ _EVIDENCE_TESTS = (
     "tests/test_crowding.py",
     "tests/test_fallback.py",
 )
-_CLIENT_TESTS = (
-    "tests/test_leaks.py",
-    "tests/test_hostile.py",
-    "tests/test_aiohttp_client.py",
-    "tests/test_requests_client.py",
-    "tests/test_faults.py",
-    "tests/test_fallback.py",
-    "tests/test_trajectory.py",
-    "tests/test_delivery.py",
-    "tests/test_retries.py",
-    "tests/test_transparent.py",
-)
 # The machinery the client hooks share: its own rules and the walks over every real target, all
-# in-process and quick (the client files above start loopback servers: minutes per surviving mutant).
+# in-process and quick (the client files start loopback servers: minutes per surviving mutant).
 _BASE_TESTS = (
     "tests/test_hook_base.py",
     "tests/test_transparent.py",
@@ -78,7 +66,7 @@ _BASE_TESTS = (
     "tests/test_late_import.py",
 )
 # The urllib3 hook: its own rules, then requests and urllib3 end to end over loopback (the files of
-# _CLIENT_TESTS never send through urllib3 but test_leaks' two calls, and cost minutes per survivor).
+# the other clients never send through urllib3, and cost minutes per survivor).
 _URLLIB3_TESTS = ("tests/test_urllib3_hook.py", "tests/test_requests_client.py", "tests/test_transparent.py")
 # The httpx hook: its own rules, then httpx's clients end to end over one loopback server.
 _HTTPX_TESTS = ("tests/test_httpx_hook.py", "tests/test_transparent.py")
