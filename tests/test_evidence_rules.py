@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import otel_session
-from otel_session import _evidence, _metrics, _verdicts
+from otel_session import _evidence, _hop, _metrics, _verdicts
 from tests.test_metrics_rules import Recording
 
 ROUTER: _metrics.Router = ("dynamo", "127.0.0.1", 8000)
@@ -303,6 +303,7 @@ def test_pinned_sessions_crowding_a_slower_worker_are_named_once_with_the_fix_fo
     assert fix in said
     crowded = [a[_metrics.CROWDED] for _, a in counted["crowded_turns"].added]
     assert len(crowded) == 24 and crowded[-1] is True and crowded[0] is False
+    assert _hop.crowded == {ROUTER}  # where ``fleet`` now withholds new attempts' sessions
     _crowd()
     assert len(_said(caplog)) == 1
 
