@@ -11,7 +11,8 @@ once, siblings per group); until it has both it withholds the session, so the ro
 attempts as it would without otel-session. A group is named by the caller (``trajectory(group=...)``)
 or, where it names none, by the prompt of the attempt's first request to a router (``Inferred``,
 keyed by ``_prompts``). A group is known only while one of its attempts is open: nothing here
-outlives a step but its shape.
+outlives a step but its shape. (Over 300 lines: the policy, the group table, the step's shape and
+the undecided attempt are one rule, K for this attempt, read under one lock.)
 """
 
 from __future__ import annotations
