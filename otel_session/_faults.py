@@ -20,12 +20,19 @@ _reported: set[str] = set()
 _lock = threading.Lock()
 
 
-def report(where: str, exc: BaseException) -> None:
-    """Log ``exc`` from ``where`` the first time only; the caller then carries on without us."""
+def once(where: str) -> bool:
+    """Whether this is the first time ``where`` has something to say in this process."""
     with _lock:
         if where in _reported:
-            return
+            return False
         _reported.add(where)
+        return True
+
+
+def report(where: str, exc: BaseException) -> None:
+    """Log ``exc`` from ``where`` the first time only; the caller then carries on without us."""
+    if not once(where):
+        return
     warn(
         "otel-session: %s failed (%s); the application goes on without it (a request is sent as it "
         "would be without otel-session). Further failures here are not logged.",

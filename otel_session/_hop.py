@@ -153,9 +153,9 @@ class Offered:
             scheme, host, port = destination
             if profile is None or profile.parent_header is None or not host:
                 workers = _siblings.UNREADABLE
-            elif holder.policy.withholds and _metrics.router_of(profile, host, port) in crowded:
+            elif holder.policy.withholds and (router := _metrics.router_of(profile, host, port)) in crowded:
                 holder.withhold()
-                _withheld_at(_metrics.router_of(profile, host, port))
+                _withheld_at(router)
                 return self.decided(None, True)
             elif _siblings.needs_fleet_size(holder.policy):
                 workers = _fleet.size_at((scheme, host, port), holder.policy.withholds)
@@ -217,11 +217,7 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     if ticket is None:
         return  # no group read (a streamed body): the attempt goes alone, as under any policy
     choice = "withheld" if holder.withheld else "sized" if ticket.sized else "default"
-    if _metrics.recording():
-        attributes: dict[str, object] = {"otel_session.siblings.choice": choice}
-        if ticket.size is not None:
-            attributes["otel_session.siblings.size"] = ticket.size
-        _metrics.count(_metrics.sibling_choices, 1, attributes)
+    _count_choice(choice, ticket.size)
     if choice == "default" or (_said and _said[-1] == ticket.size):
         return
     _said[:] = [ticket.size]
@@ -247,11 +243,19 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     )
 
 
+def _count_choice(choice: str, size: int | None) -> None:
+    """One attempt decided under ``auto`` or ``fleet``, counted with its K where it has one."""
+    if _metrics.recording():
+        attributes: dict[str, object] = {"otel_session.siblings.choice": choice}
+        if size is not None:
+            attributes["otel_session.siblings.size"] = size
+        _metrics.count(_metrics.sibling_choices, 1, attributes)
+
+
 def _withheld_at(router: _metrics.Router) -> None:
     """``fleet`` sent an attempt without its session because pinning crowded ``router``'s workers:
     counted, and said once per router."""
-    if _metrics.recording():
-        _metrics.count(_metrics.sibling_choices, 1, {"otel_session.siblings.choice": "withheld"})
+    _count_choice("withheld", None)
     with _crowded_lock:
         if router in _crowded_said:
             return

@@ -195,9 +195,7 @@ def key_of(group: Hashable) -> GroupKey | None:
 
 def _bad_key(key: object, done: str, exc: Exception) -> None:
     """One line, the first time, for a group key whose own code failed (no traceback: it is theirs)."""
-    with _lock:
-        said, _unhashable[:] = bool(_unhashable), [True]
-    if not said:
+    if _faults.once("a trajectory(group=...) key"):
         _faults.warn(
             "otel-session: a trajectory(group=...) key of type %s cannot be %s (%s); its attempt runs "
             "under its own session but names no parent, so the router places it alone. Use a str, an "
@@ -207,8 +205,6 @@ def _bad_key(key: object, done: str, exc: Exception) -> None:
             type(exc).__name__,
         )
 
-
-_unhashable: list[bool] = []  # said once
 
 
 def join(

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 import otel_session
-from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _siblings
+from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults
 from otel_session._siblings import Siblings, open_groups
 from tests.recorder import Recorder
 
@@ -152,7 +152,7 @@ def test_a_group_that_cannot_be_hashed_is_one_line_and_no_parent(
 ) -> None:
     """A list (or a tuple holding one) is the application's mistake, not a reason to end its rollout:
     the attempt runs under its own session and names no parent, not even one read from its prompt."""
-    monkeypatch.setattr(_siblings, "_unhashable", [])  # said once per process: maybe said already
+    monkeypatch.setattr(_faults, "_reported", set())  # said once per process: maybe said already
     otel_session.configure(dynamo_hosts=["127.0.0.1:9"], siblings="prompt")
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         for key in (["not", "hashable"], ("task", ["msg"])):

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from otel_session import _siblings
+from otel_session import _faults, _siblings
 from otel_session._siblings import GroupKey, Inferred, Siblings, join, leave, open_groups
 
 
@@ -78,7 +78,7 @@ class Unequal:
 def test_a_key_whose_equality_raises_names_no_parent_and_is_reported_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_siblings, "_unhashable", [])
+    monkeypatch.setattr(_faults, "_reported", set())
     assert join(Unequal(), Siblings(2)) is not None  # alone in its bucket: never compared
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         assert join(Unequal(), Siblings(2)) is None  # compared with the first: raises, no parent
@@ -100,7 +100,7 @@ class Unhashable:
 def test_a_key_whose_hash_raises_names_no_parent_and_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_siblings, "_unhashable", [])
+    monkeypatch.setattr(_faults, "_reported", set())
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         assert join(Unhashable(), Siblings(2)) is None  # a prompt's key, hashed by join itself
         assert _siblings.key_of(Unhashable()) is None  # trajectory(group=...)'s, hashed as it is made
