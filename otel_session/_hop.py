@@ -233,10 +233,11 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     groups, siblings = _siblings.last_shape()
     parents = groups * -(-siblings // max(1, ticket.size or 1))  # groups of K, over the whole step
     _faults.warn(
-        "otel-session: siblings sized to the fleet: %s (%d workers; the last step had %d groups of up "
-        "to %d siblings open at once: %s)",
+        "otel-session: siblings sized to the fleet: %s (%d workers; %s %d groups of up to %d siblings "
+        "open at once: %s)",
         "each alone under its own session" if ticket.size == 1 else f"{ticket.size} per parent session",
         workers or 0,
+        "the last step had" if _siblings.step_seen() else "this step has",
         groups,
         siblings,
         f"{parents} groups: some share a worker" if workers and parents > workers else "one group per worker",
@@ -401,9 +402,10 @@ def pinning_crowds(router: _metrics.Router) -> None:
 
 
 def forget_crowding() -> None:
-    """Drop the routers seen crowded (a new configuration)."""
+    """Drop the routers seen crowded and the K last said (a new configuration)."""
     crowded.clear()
     _crowded_said.clear()
+    _said.clear()
 
 
 UNPINNED_KEPT = 16_384  # sessions remembered: more than any run keeps in flight

@@ -5,14 +5,16 @@ parent (Dynamo's ``X-Dynamo-Parent-Session-ID``), which makes the router place t
 siblings under one parent share the prompt's cache on one worker but crowd it; each on its own
 spreads them and recomputes the shared prompt on every worker. ``groups:K`` puts each K siblings
 open at once under a parent of their own: the measured middle (docs/performance.md, "At fleet
-scale"). ``fleet`` picks K at run time, one group per worker as ``otel-session doctor`` sizes it,
-from the router's fleet size (``_fleet``) and the shape of the last step seen here (groups open at
-once, siblings per group); until it has both it withholds the session, so the router places those
-attempts as it would without otel-session. A group is named by the caller (``trajectory(group=...)``)
-or, where it names none, by the prompt of the attempt's first request to a router (``Inferred``,
-keyed by ``_prompts``). A group is known only while one of its attempts is open: nothing here
-outlives a step but its shape. (Over 300 lines: the policy, the group table, the step's shape and
-the undecided attempt are one rule, K for this attempt, read under one lock.)
+scale"). ``auto`` and ``fleet`` pick K at run time, one group per worker as ``otel-session doctor``
+sizes it, from the router's fleet size (``_fleet``) and the shape of the last step seen here (groups
+open at once, siblings per group), or before any step has ended, of the step gathering now
+(``_gathering``); until they have both ``auto`` pairs siblings and ``fleet`` withholds the
+session, so the router places those attempts as it would without otel-session. A group is named by
+the caller (``trajectory(group=...)``) or, where it names none, by the prompt of the attempt's first
+request to a router (``Inferred``, keyed by ``_prompts``). A group is known only while one of its
+attempts is open: nothing here outlives a step but its shape. (Over 300 lines: the policy, the
+group table, the step's shape and the undecided attempt are one rule, K for this attempt, read under
+one lock.)
 """
 
 from __future__ import annotations
@@ -92,13 +94,14 @@ class GroupKey:
     application changes while the attempt runs, or whose ``__hash__`` raises later, would otherwise
     stay in ``_groups`` for good)."""
 
-    __slots__ = ("hash", "key", "size", "sized")
+    __slots__ = ("hash", "key", "placed", "size", "sized")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
         self.hash = hash(key)
+        self.placed = False  # K chosen (by the group's first attempt to be placed)
         self.size: int | None = None  # the K its group was given (``None``: the session withheld)
-        self.sized = False  # ... chosen from the fleet's size and the last step's shape
+        self.sized = False  # ... chosen from the fleet's size and a step's shape
 
     def __hash__(self) -> int:
         return self.hash
@@ -118,6 +121,7 @@ class _Group:
 
 
 _groups: dict[GroupKey, _Group] = {}
+_joins = [0]  # attempts that entered a group, ever (``joined``)
 _lock = threading.RLock()  # re-entrant: a key's own __eq__ may open a trajectory on the same thread
 
 
@@ -151,29 +155,51 @@ class _Shape:
 _shape = _Shape()
 
 
-def fleet_size_of(workers: int | None, withhold: bool = True) -> int | None:
-    """K for a fleet of ``workers`` as ``join`` would choose it now (see ``_fleet_size``)."""
-    return _fleet_size(workers, withhold)[0]
+def fleet_size_of(workers: int | None, withhold: bool = True, gathered: bool = False) -> int | None:
+    """K for a fleet of ``workers`` as ``join`` (or a ``gathered`` attempt) would choose it now."""
+    return _fleet_size(workers, withhold, gathered)[0]
 
 
-def _fleet_size(workers: int | None, withhold: bool) -> tuple[int | None, bool]:
+def _fleet_size(workers: int | None, withhold: bool, gathered: bool = False) -> tuple[int | None, bool]:
     """Siblings per parent for a fleet of ``workers``, one group per worker as ``otel-session doctor``
-    sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once in the last step;
+    sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once (``shape``);
     and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
     seen): ``None`` (withheld) if ``withhold``, else the default's K, as where the router lists no
     workers (``UNREADABLE``)."""
     if workers == UNREADABLE:
         return GROUPS_DEFAULT, False
-    shape = _shape.groups_siblings()
-    if workers is None or shape is None:
+    found = shape(gathered)
+    if workers is None or found is None:
         return (None if withhold else GROUPS_DEFAULT), False
-    groups, siblings = shape
+    groups, siblings = found
     return max(1, math.ceil(siblings / max(1, workers // groups))), True
+
+
+def shape(gathered: bool = False) -> tuple[int, int] | None:
+    """(groups open at once, siblings per group) to size by: the last step's; before any step has
+    ended, for an attempt that waited for its step to gather (``_hop.gather``), the step open now,
+    once a group in it has siblings (``None``: nothing to size by)."""
+    found = _shape.groups_siblings()
+    if found is None and gathered and _groups:
+        most = max(group.started for group in _groups.values())
+        if most >= 2:
+            return len(_groups), most
+    return found
+
+
+def step_seen() -> bool:
+    """Whether a group has ended here: from then on K follows the step before (no gathering)."""
+    return _shape.groups_siblings() is not None
+
+
+def joined() -> int:
+    """Attempts joined to groups so far (a count that only grows): a step still gathering grows it."""
+    return _joins[0]
 
 
 def last_shape() -> tuple[int, int]:
     """(groups open at once, siblings per group) as ``fleet`` sizes by now; (0, 0) before a step."""
-    return _shape.groups_siblings() or (0, 0)
+    return shape(True) or (0, 0)
 
 
 def needs_fleet_size(policy: Siblings) -> bool:
@@ -217,6 +243,16 @@ def join(
     (``_fleet.size_at``)."""
     if policy.size is None:
         return None
+    entered = enter(key)
+    if entered is None:
+        return None
+    ticket, index = entered
+    return place(ticket, index, policy, workers), ticket
+
+
+def enter(key: Hashable | GroupKey) -> tuple[GroupKey, int] | None:
+    """One more attempt of group ``key`` counted, its K not chosen yet: (the ticket to ``place`` it
+    and ``leave`` with, the attempt's place in its group); ``None`` where the key cannot be hashed."""
     try:  # hashed outside the lock: a key's own code never runs holding it
         ticket = key if isinstance(key, GroupKey) else GroupKey(key)
     except Exception as exc:
@@ -226,9 +262,6 @@ def join(
         try:  # the key's own __eq__ may raise (re-entering here on this thread finds the lock its own)
             group = _groups.get(ticket)
             if group is None:
-                ticket.size, ticket.sized = (
-                    _fleet_size(workers, policy.withholds) if policy.sized else (policy.size, False)
-                )
                 group = _groups[ticket] = _Group(ticket)
                 _shape.opened(len(_groups))
         except Exception as exc:
@@ -236,17 +269,34 @@ def join(
             return None
         group.started += 1
         group.open += 1
+        _joins[0] += 1
         if group.started == 2:
             _shape.siblings = True
-        size = group.key.size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
+        return group.key, group.started - 1
+
+
+def place(
+    ticket: GroupKey, index: int, policy: Siblings, workers: int | None, gathered: bool = False
+) -> str | None:
+    """The parent of the ``index``-th attempt of ``ticket``'s group: its group's K chosen by the first
+    attempt placed (``gathered``: it waited for its step to gather, so a first step is sized by
+    itself); ``WITHHELD`` where ``fleet`` withholds the session, ``None`` where it goes alone."""
+    with _lock:
+        if not ticket.placed:
+            ticket.placed = True
+            ticket.size, ticket.sized = (
+                _fleet_size(workers, policy.withholds, gathered) if policy.sized else (policy.size, False)
+            )
+        size = ticket.size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
         if size is None:
-            return WITHHELD, group.key
-        if size == 1 and policy.sized:
-            return None, group.key
-        sub = (group.started - 1) // size if size else 0
+            return WITHHELD
+        group = _groups.get(ticket)
+        if group is None or group.key is not ticket or (size == 1 and policy.sized):
+            return None  # forgotten (a fork, or the attempt ended first), or each sibling alone
+        sub = index // size if size else 0
         while len(group.parents) <= sub:
             group.parents.append(new_session_id())
-        return group.parents[sub], group.key
+        return group.parents[sub]
 
 
 def leave(ticket: GroupKey) -> None:
@@ -266,7 +316,7 @@ class Inferred:
     that request's prompt (or the ``group=`` given), then the same for every later request of the
     attempt, and left as the attempt ends."""
 
-    __slots__ = ("decided", "given", "key", "parent", "policy", "withheld")
+    __slots__ = ("decided", "given", "index", "key", "parent", "policy", "withheld")
 
     def __init__(self, policy: Siblings, given: Hashable | None = None) -> None:
         self.policy = policy
@@ -274,22 +324,36 @@ class Inferred:
         self.decided = False
         self.withheld = False  # ``fleet`` chose to send this attempt without its session
         self.key: GroupKey | None = None  # the group joined, while the attempt is open in it
+        self.index = 0  # its place in that group
         self.parent: str | None = None
+
+    def enter(self, key: Hashable | None) -> None:
+        """Count the attempt in its group (the given key, else ``key``) before deciding it, so that
+        its siblings gathering now see it (``_hop.gather``); its K is chosen by ``decide``."""
+        with _decide_lock:
+            key = self.given if self.given is not None else key
+            if not self.decided and self.key is None and key is not None:
+                entered = enter(key)
+                if entered is not None:
+                    self.key, self.index = entered
 
     def decide(self, key: Hashable | None, workers: int | None = None) -> str | None:
         """The attempt's parent: joined under the given key or else ``key`` (``None``: no group, no
         parent) by the first request to decide, kept for every later one; ``workers``: the router's
-        fleet size, for ``fleet``."""
+        fleet size, for ``fleet``. An attempt that entered its group first (it gathered) is sized by
+        the step open now where no step has ended yet."""
         with _decide_lock:
             if not self.decided:
                 self.decided = True
                 key = self.given if self.given is not None else key
-                if key is not None:
-                    joined = join(key, self.policy, workers)
-                    if joined is not None:
-                        parent, self.key = joined
-                        self.withheld = parent == WITHHELD
-                        self.parent = None if self.withheld else parent
+                if self.key is not None:
+                    parent: str | None = place(self.key, self.index, self.policy, workers, True)
+                elif key is not None and (joined := join(key, self.policy, workers)) is not None:
+                    parent, self.key = joined
+                else:
+                    return None
+                self.withheld = parent == WITHHELD
+                self.parent = None if self.withheld else parent
             return self.parent
 
     def withhold(self) -> None:

@@ -156,7 +156,13 @@ class trajectory(metaclass=_TrajectoryType):
             parent = None  # the one outside the enclosing: its own parent is not known here, never a cycle
         settings = _settings.current
         policy = settings.siblings if settings is not None else _siblings.Siblings(None)
-        if parent is None and self._group is not None and settings is not None and not policy.withholds:
+        # A group given under ``fleet``, or under ``auto`` before any step has ended where no trusted
+        # host may carry the parent on, is decided at the attempt's first request to a router (where
+        # a first step gathers: ``_gathering``).
+        deferred = policy.withholds or (
+            policy.sized and not _siblings.step_seen() and settings is not None and not settings.rules.trusted
+        )
+        if parent is None and self._group is not None and settings is not None and not deferred:
             # An enclosing trajectory wins. Sized to the largest fleet seen so far (``auto``): the
             # parent goes in baggage too, for a trusted host's requests to the router.
             joined = _siblings.join(self._group, policy, _fleet.largest() if policy.sized else None)
@@ -171,7 +177,7 @@ class trajectory(metaclass=_TrajectoryType):
                 parent is None
                 and policy.size is not None
                 and not self._ungrouped
-                and (self._group is None or policy.withholds)
+                and (self._group is None or deferred)
             ):
                 inferred = _siblings.Inferred(policy, self._group)
             if inferred is not None or current.get(SIBLINGS_KEY) is not None:

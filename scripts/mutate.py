@@ -78,7 +78,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_w3c": _RULES_TESTS,
     "_propagator": _RULES_TESTS,
     "_ids": _RULES_TESTS,
-    "_siblings": _SIBLINGS_TESTS,
+    "_siblings": (*_SIBLINGS_TESTS, "tests/test_gathering.py"),
+    "_gathering": ("tests/test_gathering.py", "tests/test_siblings.py", "tests/test_siblings_fleet.py"),
     "_prompts": _SIBLINGS_TESTS,
     "_group_keys": ("tests/test_group_keys.py", "tests/test_boundaries_groups.py"),
     "_fleet": ("tests/test_fleet_size.py", "tests/test_siblings_fleet.py"),
@@ -98,8 +99,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_metrics": _EVIDENCE_TESTS,
     "_crowding": _EVIDENCE_TESTS,
     "instrumentation._base": _BASE_TESTS,
-    "instrumentation.httpx": _HTTPX_TESTS,
-    "instrumentation.aiohttp_client": _AIOHTTP_TESTS,
+    "instrumentation.httpx": (*_HTTPX_TESTS, "tests/test_gathering.py"),
+    "instrumentation.aiohttp_client": (*_AIOHTTP_TESTS, "tests/test_gathering.py"),
     "instrumentation.urllib3_client": _URLLIB3_TESTS,
 }
 SEED = 20261205

@@ -30,13 +30,15 @@ CORE = (
     "otel_session._carry",
     "otel_session._config",
     "otel_session._siblings",
+    "otel_session._gathering",
 )
 # 2,500 until siblings (one parent per group of K) and calls that fail where the original does joined it.
 # 2,700 until siblings with no code (the group read from an attempt's first request to a router) joined it.
 # 2,900 until fleet-sized siblings (K chosen at run time, the session withheld until a step is seen).
 # 3,150 until fleet withholding where pinning crowds, group keys hashed once outside the locks, attempts
 # ended out of order, and the async-generator and re-targeted-transport fixes of the fifth round.
-CORE_MAX_LINES = 3_300
+# 3,300 until a first step gathered before its groups are sized (``_gathering``).
+CORE_MAX_LINES = 3_400
 # Core modules beside the request path (counting, and judging what clients received): held to the
 # same import rule, not counted in the core's size.
 BESIDE_CORE = (

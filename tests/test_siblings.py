@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import threading
 from collections import Counter
 from typing import Any
 
@@ -33,6 +33,10 @@ def _grpo_step(dynamo: Recorder, prompts: int, siblings: int, turns: int = 2) ->
         await asyncio.gather(*(attempt(p, s) for p in range(prompts) for s in range(siblings)))
 
     asyncio.run(step())
+    return _seen(dynamo)
+
+
+def _seen(dynamo: Recorder) -> list[dict[str, Any]]:
     return [
         {
             "prompt": seen.path.split("/")[1],
@@ -41,6 +45,7 @@ def _grpo_step(dynamo: Recorder, prompts: int, siblings: int, turns: int = 2) ->
             "parent": seen.get(PARENT_SESSION_HEADER),
         }
         for seen in dynamo.requests
+        if seen.path != "/health"
     ]
 
 
@@ -86,28 +91,45 @@ def test_attempt_policy_names_no_parent(dynamo: Recorder) -> None:
     assert len({session for session, _ in attempts.values()}) == 8
 
 
-def test_the_default_pairs_siblings_until_it_can_size_groups_to_the_fleet(
+def test_the_default_sizes_a_gathered_first_step_to_the_fleet(
     dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``auto``: the first step two by two (no step seen yet), the next one group per worker (the
-    recorder's /health lists 4 workers; 2 prompts x 8 siblings: K = ceil(8 / (4 // 2)) = 4)."""
+    """``auto``: an async step's attempts gather at their first request (``_gathering``), so the
+    first step is already one group per worker (the recorder's /health lists 4 workers; 2 prompts x
+    8 siblings: K = ceil(8 / (4 // 2)) = 4), and so is the next, by the step before."""
     monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
     dynamo.instances = 4
     settings = otel_session.configure(dynamo_hosts=[dynamo.url])
     assert str(settings.siblings) == "auto"
-    attempts = _per_attempt(_grpo_step(dynamo, prompts=1, siblings=4))
+    for _ in range(2):
+        dynamo.clear()
+        attempts = _per_attempt(_grpo_step(dynamo, prompts=2, siblings=8))
+        for prompt in ("p0", "p1"):
+            per_parent = Counter(parent for (p, _), (_, parent) in attempts.items() if p == prompt)
+            assert sorted(per_parent.values()) == [4, 4] and None not in per_parent
+        assert None not in {session for session, _ in attempts.values()}  # the header on every request
+
+
+def test_the_default_pairs_a_first_step_of_threads(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads cannot gather their step: before any step has ended, siblings are paired (groups:2)."""
+    monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+
+    sent = threading.Barrier(4)
+
+    def attempt(sibling: int) -> None:
+        with otel_session.trajectory(group="prompt-0"):
+            httpx.get(f"{dynamo.url}/p0/s{sibling}/t0", timeout=10)
+            sent.wait(10)  # all four joined before any ends: one group of four
+
+    threads = [threading.Thread(target=attempt, args=(s,)) for s in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    attempts = _per_attempt(_seen(dynamo))
     assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2, 2]
-    assert None not in {session for session, _ in attempts.values()}  # the header on every request
-    dynamo.clear()
-    _grpo_step(dynamo, prompts=2, siblings=8)  # its /health read as it began: still two by two
-    deadline = time.monotonic() + 10
-    while not otel_session._fleet.known() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    dynamo.clear()
-    attempts = _per_attempt(_grpo_step(dynamo, prompts=2, siblings=8))
-    for prompt in ("p0", "p1"):
-        per_parent = Counter(parent for (p, _), (_, parent) in attempts.items() if p == prompt)
-        assert sorted(per_parent.values()) == [4, 4]  # the last step's 2 groups of 8 on 4 workers
     assert None not in {session for session, _ in attempts.values()}
 
 

@@ -1,6 +1,7 @@
 """``OTEL_SESSION_SIBLINGS=fleet`` (issue 33, item 4): K chosen at run time, one group of siblings per
-worker, from the router's ``/health`` and the last step's shape; the first step, before any shape is
-known, goes without the session (the router places it as it would without otel-session). Over
+worker, from the router's ``/health`` and the last step's shape, or an async first step's own
+(``_gathering``); a first step that cannot be sized (threads) goes without the session (the router
+places it as it would without otel-session). Over
 loopback to a recording server that lists its workers in ``/health`` as a Dynamo frontend does.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -114,43 +116,70 @@ def test_k_follows_doctors_rule_from_the_last_step(
     assert _siblings.fleet_size_of(workers) is None
 
 
-def test_the_first_step_goes_without_the_session_and_the_next_is_grouped_per_worker(
+def test_a_gathered_first_step_is_grouped_per_worker_and_so_is_the_next(
     dynamo: Recorder, gym: Recorder
 ) -> None:
+    """An async step's attempts gather at their first request (``_gathering``): the first step is
+    sized by itself (16 x 8 on 32 workers: K = 4), not withheld; the next by the step before."""
     dynamo.instances = 32
     otel_session.configure(dynamo_hosts=[dynamo.url], trusted_hosts=[gym.url], siblings="fleet")
     before = support.metric_points()
-    _step(dynamo, prompts=16, siblings=8)
-    first = _attempts(dynamo)
-    assert len(first) == 128 and set(first.values()) == {(None, None)}  # kv routing alone places them
+    for step in range(2):
+        dynamo.clear()
+        _step(dynamo, prompts=16, siblings=8)
+        carried = _attempts(dynamo)
+        sessions = [session for session, _ in carried.values()]
+        assert len(set(sessions)) == 128 and None not in sessions, step
+        for prompt in {p for p, _ in carried}:
+            parents = Counter(parent for (p, _), (_, parent) in carried.items() if p == prompt)
+            assert sorted(parents.values()) == [4, 4] and None not in parents, step  # K = 4
+    assert len(dynamo.health_reads) == 1 and not any(
+        k.lower().startswith("x-dynamo") for k in dynamo.health_reads[0]
+    )
+    assert open_groups() == 0
+    assert (
+        support.metric_delta(before, "otel_session.sibling_choices", otel_session__siblings__choice="sized")
+        == 256
+    )
+    assert not support.metric_delta(
+        before, "otel_session.sibling_choices", otel_session__siblings__choice="withheld"
+    )
+
+
+def test_a_first_step_of_threads_goes_without_the_session_and_the_next_is_grouped(
+    dynamo: Recorder, gym: Recorder
+) -> None:
+    """Threads cannot gather their step: the first is withheld (kv routing alone places it), the
+    session still goes to trusted hosts, and the next step is sized by the first."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], trusted_hosts=[gym.url], siblings="fleet")
+
+    def step(tag: str) -> None:
+        def attempt(prompt: int, sibling: int, ready: threading.Barrier) -> None:
+            with otel_session.trajectory(group=f"prompt-{prompt}"):
+                httpx.post(f"{dynamo.url}/{tag}{prompt}/s{sibling}/v1/chat/completions", json={}, timeout=10)
+                ready.wait(10)  # every attempt joined before any ends: two groups of four
+
+        ready = threading.Barrier(8)
+        threads = [threading.Thread(target=attempt, args=(p, s, ready)) for p in range(2) for s in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+
+    step("a")
+    assert set(_attempts(dynamo).values()) == {(None, None)}
     with otel_session.trajectory() as attempt:  # the session still exists: trusted hosts get it
         httpx.get(f"{gym.url}/episode", timeout=10)
     assert attempt.session_id is not None and attempt.session_id in (gym.requests[0].get("baggage") or "")
     _wait_for_size(dynamo)
-    assert len(dynamo.health_reads) == 1 and not any(
-        k.lower().startswith("x-dynamo") for k in dynamo.health_reads[0]
-    )
     dynamo.clear()
-    _step(dynamo, prompts=16, siblings=8)
-    second = _attempts(dynamo)
-    sessions = [session for session, _ in second.values()]
-    assert len(set(sessions)) == 128 and None not in sessions
-    for prompt in {p for p, _ in second}:
-        parents = Counter(parent for (p, _), (_, parent) in second.items() if p == prompt)
-        assert sorted(parents.values()) == [4, 4] and None not in parents  # 32 workers, 16 x 8: K = 4
-    assert open_groups() == 0
-    assert (
-        support.metric_delta(
-            before, "otel_session.sibling_choices", otel_session__siblings__choice="withheld"
-        )
-        == 128
-    )
-    assert (
-        support.metric_delta(before, "otel_session.sibling_choices", otel_session__siblings__choice="sized")
-        == 128
-    )
-
-
+    step("b")
+    carried = _attempts(dynamo)
+    assert None not in {session for session, _ in carried.values()}
+    for prompt in ("b0", "b1"):
+        parents = Counter(parent for (p, _), (_, parent) in carried.items() if p == prompt)
+        assert sorted(parents.values()) == [2, 2] and None not in parents  # 4 workers, 2 x 4: K = 2
 def test_siblings_found_by_prompt_are_sized_the_same_through_aiohttp(dynamo: Recorder) -> None:
     dynamo.instances = 16
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
@@ -207,15 +236,19 @@ def test_a_router_that_takes_no_parent_always_gets_the_session(gym: Recorder) ->
 
 
 def test_unconfigure_forgets_the_steps_seen(dynamo: Recorder) -> None:
+    """After ``unconfigure()`` no step is known: an attempt of a thread (which cannot gather its
+    step) is withheld again, as in a process's first step."""
     dynamo.instances = 8
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
     _step(dynamo, prompts=2, siblings=2)
-    _wait_for_size(dynamo)
+    assert _siblings.step_seen()
     otel_session.unconfigure()
+    assert not _siblings.step_seen()
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
     dynamo.clear()
-    _step(dynamo, prompts=2, siblings=2)
-    assert {session for session, _ in _attempts(dynamo).values()} == {None}
+    with otel_session.trajectory(group="g"):
+        httpx.post(f"{dynamo.url}/a/0/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert _attempts(dynamo) == {("a", "0"): (None, None)}
 
 
 def test_an_attempt_keeps_its_choice_for_every_turn(dynamo: Recorder) -> None:
@@ -448,10 +481,9 @@ def test_more_prompts_than_workers_is_not_called_one_group_per_worker(
     dynamo.instances = 4
     settings = otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
     assert repr(settings.siblings) == "Siblings('fleet')"
-    _step(dynamo, prompts=8, siblings=2)
-    _wait_for_size(dynamo)
     with caplog.at_level(logging.WARNING, logger="otel_session"):
-        _step(dynamo, prompts=8, siblings=2)
+        _step(dynamo, prompts=8, siblings=2)  # gathered: sized by itself, said once
+        _step(dynamo, prompts=8, siblings=2)  # the same K: not said again
     (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
     assert "2 per parent session (4 workers;" in line and line.endswith("8 groups: some share a worker)")
 

@@ -1233,7 +1233,10 @@ def test_under_auto_a_named_group_is_sized_as_it_opens_to_the_largest_fleet_read
 ) -> None:
     stand_in, server = dynamo
     stand_in.workers = 4
-    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="auto")
+    # a trusted host may carry the parent on in baggage: a named group is decided as it opens
+    otel_session.configure(
+        dynamo_hosts=[f"127.0.0.1:{server.port}"], trusted_hosts=["127.0.0.9"], siblings="auto"
+    )
     _fleet.size_at(("http", "127.0.0.1", server.port))
     wait_for_fleet(4)
     first = one_step("step-1", 4)  # no step seen yet: two by two
@@ -1241,6 +1244,19 @@ def test_under_auto_a_named_group_is_sized_as_it_opens_to_the_largest_fleet_read
     second = one_step("step-2", 4, f"http://127.0.0.1:{server.port}/v1/chat/completions")
     assert [a.parent_session_id for a in second] == [None] * 4  # 1 group of 4 on 4 workers: each alone
     assert _siblings.last_shape() == (1, 4)  # each attempt counted once, though it sent a request
+
+
+def test_under_auto_a_named_group_with_no_trusted_host_is_decided_at_its_first_request(
+    dynamo: tuple[DynamoStandIn, AsgiServer],
+) -> None:
+    """Before any step has ended and with no trusted host to carry the parent on, a named group
+    waits for its first request to a router, where an async step gathers (``_gathering``)."""
+    stand_in, server = dynamo
+    stand_in.workers = 4
+    otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="auto")
+    first = one_step("step-1", 4)
+    assert [a.parent_session_id for a in first] == [None] * 4  # nothing decided at the opening
+    assert not _siblings.step_seen() and _siblings.open_groups() == 0
 
 
 def test_under_fleet_the_group_given_wins_over_each_attempts_prompt(

@@ -363,10 +363,10 @@ async def _both_arms(
     progress.start()
     hosts = _dynamo_hosts(base_urls, announce=True)
     if otel_session.configure(dynamo_hosts=hosts).siblings.withholds:
-        # fleet sends a process's first step without sessions: this one-step run would show nothing
+        # fleet withholds a first step it cannot size (a slow /health): this one-step run must show
         print(
-            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends a process's first step without sessions; "
-            "this one-step run keys siblings as the default (auto) does instead",
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends a first step it cannot size without "
+            "sessions; this one-step run keys siblings as the default (auto) does instead",
             file=sys.stderr,
         )
         otel_session.configure(dynamo_hosts=hosts, siblings="auto")

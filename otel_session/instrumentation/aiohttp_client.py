@@ -9,7 +9,9 @@ with the final URL: the proxy is not the destination, so it gets nothing of ours
 aiohttp's upstream instrumentation injects through the global propagator before any of this, when
 no destination is known, so ours adds nothing there. Where stock propagators are composed with ours
 they do add, to every host: this hook then takes back what is recognisably ours (our trace's
-``traceparent``, our ``session.id`` however encoded) where it must not go.
+``traceparent``, our ``session.id`` however encoded) where it must not go. (Over 300 lines: the
+send's plan, its copy of the headers, the first step's wait (``_gathering``) and the answer's
+status are one hop, from the same ``ClientRequest``.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 
-from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
+from otel_session import _carriers, _evidence, _faults, _gathering, _hop, _metrics, _propagator
 from otel_session._context import HOP_KEY
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -78,29 +80,64 @@ def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     where there is nothing to add, take back or watch, as for the usual request outside a
     trajectory or to a host that gets nothing; else through ``_hop_send``. The original is called at
     once either way, so a call it refuses fails here, as it would unpatched."""
-    planned = _planned(instance, args, kwargs) if _INSTRUMENTOR.active else None
+    gathering: _Gathering = []
+    planned = _planned(instance, args, kwargs, gathering) if _INSTRUMENTOR.active else None
+    if gathering:
+        return _gathered(wrapped(*args, **kwargs), instance, args, kwargs, gathering[0])
     if planned is None:
         return wrapped(*args, **kwargs)
     return _hop_send(wrapped(*args, **kwargs), instance, *planned)
 
 
+async def _gathered(
+    sending: Any,
+    instance: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    waiting: tuple[_hop.Offered, bytes | bytearray | None, _hop.Destination],
+) -> Any:
+    """A first step's first request of an attempt: wait for its step to gather (``_gathering``),
+    then plan it and await ``sending`` (the original's coroutine, not started yet) as any other."""
+    try:
+        await _gathering.gather(*waiting)
+    except BaseException:
+        sending.close()  # cancelled while it waited: never started, so no "never awaited" for it
+        raise
+    planned = _planned(instance, args, kwargs)
+    if planned is None:
+        return await sending
+    return await _hop_send(sending, instance, *planned)
+
+
 _Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
+
+
+_Gathering = list[tuple[_hop.Offered, "bytes | bytearray | None", _hop.Destination]]
+
+
+def _body_of(instance: Any) -> bytes | bytearray | None:
+    """The request's body where it is held in memory (``json=``, ``data=`` bytes or text); a stream,
+    a file or a form is never read."""
+    body = instance.body
+    if isinstance(body, (bytes, bytearray)):
+        return body
+    value = getattr(body, "_value", None) if isinstance(body, _BYTES_PAYLOADS) else None
+    return value if isinstance(value, (bytes, bytearray)) else None
 
 
 def _decided(offered: _hop.Offered, instance: Any, destination: _hop.Destination) -> _hop.Offered:
     """What the context offers once this request, an attempt's first to a router, decided the
-    attempt's group from the prompt in its body: one held in memory (``json=``, ``data=`` bytes or
-    text) is read; a stream, a file or a form never is, and names no group."""
-    body = instance.body
-    if isinstance(body, (bytes, bytearray)):
-        return offered.decide(body, destination)
-    value = getattr(body, "_value", None) if isinstance(body, _BYTES_PAYLOADS) else None
-    return offered.decide(value if isinstance(value, (bytes, bytearray)) else None, destination)
+    attempt's group from the prompt in its body (one not held in memory names no group)."""
+    return offered.decide(_body_of(instance), destination)
 
 
-def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Planned | None:
+def _planned(
+    instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gathering: _Gathering | None = None
+) -> _Planned | None:
     """(the caller's headers, whether ``instance`` holds another send's copy of them, the plan, what
-    the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do."""
+    the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do.
+    ``gathering``: an attempt's first request that is to wait for its step (``_gathering``) is put
+    there, unplanned."""
     try:
         if instance.method == "CONNECT":
             return None
@@ -123,6 +160,9 @@ def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _P
                 destination = (url.scheme, url.raw_host, url.port)
                 plan = offered.plan(*destination)
                 if offered.undecided is not None and plan.route.profile is not None:
+                    if gathering is not None and _gathering.gathers(offered, destination):
+                        gathering.append((offered, _body_of(instance), destination))
+                        return None
                     plan = _decided(offered, instance, destination).plan(*destination)
             # aiohttp's own instrumentation injects before this, with no destination: under a stock
             # propagator composed with ours, what it copied is taken back here, where the hop is known.

@@ -26,7 +26,7 @@ import operator
 from types import ModuleType
 from typing import Any
 
-from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
+from otel_session import _carriers, _evidence, _faults, _gathering, _hop, _metrics, _propagator
 from otel_session._policy import Edit
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -184,23 +184,33 @@ def _planned(offered: _hop.Offered, headers: Any, destination: _hop.Destination)
     return plan, held
 
 
-def _decided(offered: _hop.Offered, request: Any, destination: _hop.Destination) -> _hop.Offered:
-    """What the context offers once a request to a router decided its attempt's group from the
-    prompt in ``request``'s body: one given in full (``content=``, ``json=``, ``data=``, as the openai
-    SDK sends) is read; a streamed body never is, and names no group. Another host decides nothing."""
-    if offered.plan(*destination).route.profile is None:
-        return offered
+def _body_of(request: Any) -> bytes | bytearray | None:
+    """``request``'s body where it was given in full (``content=``, ``json=``, ``data=``, as the
+    openai SDK sends); a streamed body is never read."""
     try:
         body = request.content  # httpx's own check: a body not read in full (a stream) raises
     except Exception:
-        body = None
-    return offered.decide(body if isinstance(body, (bytes, bytearray)) else None, destination)
+        return None
+    return body if isinstance(body, (bytes, bytearray)) else None
 
 
-def _at_transport(transport: Any, request: Any) -> Any:
+def _decided(offered: _hop.Offered, request: Any, destination: _hop.Destination) -> _hop.Offered:
+    """What the context offers once a request to a router decided its attempt's group from the
+    prompt in ``request``'s body (a streamed one names no group). Another host decides nothing."""
+    if offered.plan(*destination).route.profile is None:
+        return offered
+    return offered.decide(_body_of(request), destination)
+
+
+_Gathering = list[tuple[_hop.Offered, "bytes | bytearray | None", _hop.Destination]]
+
+
+def _at_transport(transport: Any, request: Any, gathering: _Gathering | None = None) -> Any:
     """What httpx's own transport sends for ``request``: planned here, for the URL it dials (nothing
     over a Unix socket), unless a transport above planned it (then planned again only if that
-    transport sent it elsewhere). The caller's ``Request`` is never edited."""
+    transport sent it elsewhere). The caller's ``Request`` is never edited. ``gathering`` (async
+    only): an attempt's first request that is to wait for its step (``_gathering``) is put there,
+    and ``request`` returned unplanned."""
     try:
         if _in_flight:
             entry = _registered(request)
@@ -215,6 +225,9 @@ def _at_transport(transport: Any, request: Any) -> Any:
             return request  # nothing to add from this context
         destination = _where(transport, request)
         if offered.undecided is not None:  # an attempt's first request: its group is still to read
+            if gathering is not None and _gathering.gathers(offered, destination):
+                gathering.append((offered, _body_of(request), destination))
+                return request
             offered = _decided(offered, request, destination)
         plan, held = _planned(offered, request.headers, destination)
         if not plan.edits:
@@ -341,14 +354,35 @@ def _handle_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
 def _handle_async_request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The async twin of ``_handle_request``: planning needs no awaiting, so the original is called
     here and its coroutine returned, as unpatched (a call it refuses fails at once); a hop we added
-    to is awaited in a coroutine of ours, to see its answer's status."""
+    to is awaited in a coroutine of ours, to see its answer's status. A first step's first request
+    of an attempt waits for its step to gather first (``_gathering``), in a coroutine of ours."""
+    return _sent_async(wrapped, instance, args, kwargs, [])
+
+
+def _sent_async(
+    wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gathering: _Gathering | None
+) -> Any:
     request = _request_of(args, kwargs)
     if request is not None:
-        sent = _at_transport(instance, request)
+        sent = _at_transport(instance, request, gathering)
+        if gathering:
+            return _gathered(wrapped, instance, args, kwargs, gathering[0])
         args, kwargs = _with_request(args, kwargs, sent)
         if sent is not request:
             return _answer_of(wrapped(*args, **kwargs), sent)
     return wrapped(*args, **kwargs)
+
+
+async def _gathered(
+    wrapped: Any,
+    instance: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    waiting: tuple[_hop.Offered, bytes | bytearray | None, _hop.Destination],
+) -> Any:
+    """Wait for the step to gather, then plan and send the request as any other."""
+    await _gathering.gather(*waiting)
+    return await _sent_async(wrapped, instance, args, kwargs, None)
 
 
 def _answered(response: Any, sent: Any) -> None:
