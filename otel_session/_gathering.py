@@ -3,13 +3,15 @@
 ``auto`` (the default) and ``fleet`` size sibling groups to the fleet from the shape of a step: how
 many groups are open at once and how many siblings each has. Before any step has ended the only
 shape is the one opening now, and a GRPO step opens it all at once: its trajectories are started
-together (``asyncio.gather`` of one coroutine per attempt), so each reaches its first request to the
-router before the next has even begun. An async client's first request of an attempt there counts
-the attempt in its group and yields to the event loop: the step's other attempts reach theirs and
-count themselves too, and the router's fleet size (``_fleet``) is read meanwhile. The wait ends
-once a pass of the loop adds no attempt and the size is known, or after ``WAIT`` seconds; then K
-is chosen from the step open now. Only async clients wait (a thread cannot yield to its siblings),
-only until the first group ends, and a request that waits here only ever waits, never fails.
+together (``asyncio.gather`` of one coroutine per attempt, or a pool of threads), so each reaches its
+first request to the router before the others have. That request counts the attempt in its group and
+waits: on an event loop it yields to the loop, so the step's other attempts reach theirs and count
+themselves too; in a thread it sleeps, while the other threads do the same. The router's fleet size
+(``_fleet``) is read meanwhile. The wait ends once a look ``SETTLE`` seconds after the last
+(``SETTLE_THREADS`` in a thread) finds no new attempt and the size known, or after ``WAIT``
+seconds; then K is chosen from the step open now.
+Only the first step waits (until a group has ended), never a thread that runs an event loop (a
+blocking client called from async code), and a request that waits here only ever waits, never fails.
 """
 
 from __future__ import annotations
@@ -17,20 +19,33 @@ from __future__ import annotations
 import asyncio
 import time
 
-from otel_session import _faults, _fleet, _hop, _prompts, _siblings
+from otel_session import _faults, _fleet, _hop, _prompts, _siblings, _waiting
+
+Body = bytes | bytearray | memoryview | str | None  # a request's body, where it is held in memory
 
 WAIT = 0.5  # seconds at most a first step's first requests wait for the step and the fleet's size
 SETTLE = 0.005  # seconds between looks: a step's attempts arriving over the network count too
+SETTLE_THREADS = 0.05  # ... between a thread's looks: threads reach their requests tens of ms apart
+
+
+def _eligible(offered: _hop.Offered, destination: _hop.Destination) -> bool:
+    """An attempt's first request to a router that takes a parent, under a sized policy, before any
+    step has ended, not gathered yet."""
+    holder = offered.undecided
+    if holder is None or holder.key is not None or not holder.policy.sized:
+        return False
+    if _siblings.step_seen() or not destination[1]:
+        return False
+    try:
+        profile = offered.plan(*destination).route.profile
+    except Exception:  # the request's own planning meets the same fault next, and reports it once
+        return False
+    return profile is not None and profile.parent_header is not None
 
 
 def gathers(offered: _hop.Offered, destination: _hop.Destination) -> bool:
-    """Whether this request, its attempt's first to a router, waits for its step to gather: under a
-    sized policy, before any step has ended, to a router that takes a parent, in an asyncio task."""
-    holder = offered.undecided
-    if holder is None or not holder.policy.sized or _siblings.step_seen() or not destination[1]:
-        return False
-    profile = offered.plan(*destination).route.profile
-    if profile is None or profile.parent_header is None:
+    """Whether this request, an async client's, waits for its step (``gather``): in an asyncio task."""
+    if not _eligible(offered, destination):
         return False
     try:
         return asyncio.current_task() is not None
@@ -38,29 +53,64 @@ def gathers(offered: _hop.Offered, destination: _hop.Destination) -> bool:
         return False
 
 
-async def gather(
-    offered: _hop.Offered, body: bytes | bytearray | None, destination: _hop.Destination
-) -> None:
+async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> None:
     """Count the attempt in its group (its prompt's, or its ``group=``), then wait for its step's
     other attempts and the router's fleet size; the request is decided and sent after."""
-    holder = offered.undecided
-    if holder is None:
-        return
     try:
-        holder.enter(_prompts.key_of(body))
-        if holder.key is None:
-            return  # no group (a body with no prompt, a key that cannot be hashed): nothing to size
-        scheme, host, port = destination
-        origin = (scheme, host or "", port)
-        end = time.monotonic() + WAIT
-        seen = -1
+        look = _entered(offered, body, destination)
+        if look is None:
+            return
         await asyncio.sleep(0)  # the step's other attempts, started with this one, reach their first request
-        while True:
-            now = _siblings.joined()
-            known = _fleet.size_at(origin, holder.policy.withholds) is not None
-            if (now == seen and known) or time.monotonic() >= end:
-                return
-            seen = now
+        while look.again():
             await asyncio.sleep(SETTLE)
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("gathering a first step's attempts", exc)
+
+
+def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> None:
+    """``gather`` for a blocking client: the thread sleeps while the step's other threads count their
+    attempts. Never where this thread runs an event loop (it would hold every other task)."""
+    try:
+        if not _eligible(offered, destination) or _waiting.loop_running():
+            return
+        look = _entered(offered, body, destination)
+        if look is None:
+            return
+        while look.again():
+            time.sleep(SETTLE_THREADS)
+    except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
+        _faults.report("gathering a first step's attempts", exc)
+
+
+class _Look:
+    """The wait's state: when it ends at the latest, and the attempts counted at the last look."""
+
+    __slots__ = ("end", "origin", "seen", "withholds")
+
+    def __init__(self, origin: _fleet.Origin, withholds: bool) -> None:
+        self.origin = origin
+        self.withholds = withholds
+        self.end = time.monotonic() + WAIT
+        self.seen = -1
+
+    def again(self) -> bool:
+        """Whether to look once more: an attempt arrived since the last look, or the size is unknown."""
+        now = _siblings.joined()
+        known = _fleet.size_at(self.origin, self.withholds) is not None
+        if (now == self.seen and known) or time.monotonic() >= self.end:
+            return False
+        self.seen = now
+        return True
+
+
+def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> _Look | None:
+    """The attempt counted in its group; ``None`` where it has none (a body with no prompt, a key
+    that cannot be hashed): nothing to size, nothing to wait for."""
+    holder = offered.undecided
+    if holder is None:
+        return None
+    holder.enter(_prompts.key_of(body))
+    if holder.key is None:
+        return None
+    scheme, host, port = destination
+    return _Look((scheme, host or "", port), holder.policy.withholds)

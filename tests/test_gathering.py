@@ -1,13 +1,14 @@
-"""A first step gathered before its groups are sized (``_gathering``, issue 33): an async step's
-attempts wait at their first request to a router for the step's other attempts and the router's
-fleet size, bounded, and never fail for it. Over loopback to a recording server that lists its
-workers in ``/health`` as a Dynamo frontend does, through httpx and aiohttp.
+"""A first step gathered before its groups are sized (``_gathering``, issue 33): a step's attempts
+wait at their first request to a router for the step's other attempts and the router's fleet size,
+bounded, and never fail for it. Over loopback to a recording server that lists its workers in
+``/health`` as a Dynamo frontend does, through httpx (async and in threads), aiohttp and requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 
@@ -97,16 +98,57 @@ def test_after_a_step_has_ended_nothing_waits(dynamo: Recorder, monkeypatch: pyt
     assert waited == [] and len(dynamo.requests) == 2
 
 
-def test_a_thread_never_waits(dynamo: Recorder) -> None:
-    """Outside an event loop (a sync client) there is no step to gather: the request goes at once."""
+def test_a_thread_waits_for_a_slow_health_half_a_second_at_most(dynamo: Recorder) -> None:
     dynamo.instances = 4
     dynamo.health_delay = 3.0
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
     began = time.monotonic()
     with otel_session.trajectory(group="g"):
         httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
-    assert time.monotonic() - began < 2.0
+    assert 0.45 <= time.monotonic() - began < 1.4
     assert dynamo.requests[0].get(SESSION_HEADER) is not None
+
+
+def test_a_blocking_client_on_an_event_loop_never_waits(dynamo: Recorder) -> None:
+    """A sync client called from async code: sleeping there would hold every other task."""
+    dynamo.instances = 4
+    dynamo.health_delay = 3.0
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def run() -> float:
+        began = time.monotonic()
+        with otel_session.trajectory(group="g"):
+            httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
+        return time.monotonic() - began
+
+    assert asyncio.run(run()) < 0.4
+    assert dynamo.requests[0].get(SESSION_HEADER) is not None
+
+
+def test_requests_threads_gather_too(dynamo: Recorder) -> None:
+    """Through requests (urllib3): 2 prompts x 4 siblings in threads on 4 workers, K = 2."""
+    import requests
+
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    ready = threading.Barrier(8)
+    session = requests.Session()  # one for the step's threads, as a rollout pool shares one
+
+    def attempt(prompt: int, sibling: int) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+        with otel_session.trajectory():
+            ready.wait(10)  # a step's threads reach their first request together
+            session.post(f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=body, timeout=10)
+            ready.wait(10)
+
+    threads = [threading.Thread(target=attempt, args=(p, s)) for p in range(2) for s in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    session.close()
+    for parents in _parents(dynamo).values():
+        assert sorted(parents.values()) == [2, 2] and None not in parents
 
 
 def test_a_router_taking_no_parent_never_waits(gym: Recorder) -> None:

@@ -110,17 +110,21 @@ def test_the_default_sizes_a_gathered_first_step_to_the_fleet(
         assert None not in {session for session, _ in attempts.values()}  # the header on every request
 
 
-def test_the_default_pairs_a_first_step_of_threads(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Threads cannot gather their step: before any step has ended, siblings are paired (groups:2)."""
+def test_the_default_sizes_a_first_step_of_threads_too(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Threads gather their first step by sleeping at their first request (``_gathering``): one
+    prompt of 4 siblings on 8 workers is each alone (K = ceil(4 / 8) = 1), not paired."""
     monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
-    dynamo.instances = 4
+    dynamo.instances = 8
     otel_session.configure(dynamo_hosts=[dynamo.url])
-
     sent = threading.Barrier(4)
+    client = httpx.Client(timeout=10)  # one client for the step's threads, as a rollout pool shares one
 
     def attempt(sibling: int) -> None:
         with otel_session.trajectory(group="prompt-0"):
-            httpx.get(f"{dynamo.url}/p0/s{sibling}/t0", timeout=10)
+            sent.wait(10)  # a step's threads reach their first request together
+            client.get(f"{dynamo.url}/p0/s{sibling}/t0")
             sent.wait(10)  # all four joined before any ends: one group of four
 
     threads = [threading.Thread(target=attempt, args=(s,)) for s in range(4)]
@@ -128,8 +132,9 @@ def test_the_default_pairs_a_first_step_of_threads(dynamo: Recorder, monkeypatch
         thread.start()
     for thread in threads:
         thread.join(30)
+    client.close()
     attempts = _per_attempt(_seen(dynamo))
-    assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2, 2]
+    assert len(attempts) == 4 and {parent for _, parent in attempts.values()} == {None}
     assert None not in {session for session, _ in attempts.values()}
 
 

@@ -1,7 +1,7 @@
 """``OTEL_SESSION_SIBLINGS=fleet`` (issue 33, item 4): K chosen at run time, one group of siblings per
 worker, from the router's ``/health`` and the last step's shape, or an async first step's own
-(``_gathering``); a first step that cannot be sized (threads) goes without the session (the router
-places it as it would without otel-session). Over
+(``_gathering``); a first step that cannot be sized (a /health too slow) goes without the session
+(the router places it as it would without otel-session). Over
 loopback to a recording server that lists its workers in ``/health`` as a Dynamo frontend does.
 """
 
@@ -146,18 +146,20 @@ def test_a_gathered_first_step_is_grouped_per_worker_and_so_is_the_next(
     )
 
 
-def test_a_first_step_of_threads_goes_without_the_session_and_the_next_is_grouped(
-    dynamo: Recorder, gym: Recorder
-) -> None:
-    """Threads cannot gather their step: the first is withheld (kv routing alone places it), the
-    session still goes to trusted hosts, and the next step is sized by the first."""
+def test_a_first_step_of_threads_is_grouped_per_worker_too(dynamo: Recorder, gym: Recorder) -> None:
+    """Threads gather their first step by sleeping at their first request (``_gathering``): sized by
+    itself (4 workers, 2 groups of 4: K = 2), as the next by the step before; trusted hosts still
+    get the session in baggage."""
     dynamo.instances = 4
     otel_session.configure(dynamo_hosts=[dynamo.url], trusted_hosts=[gym.url], siblings="fleet")
+
+    client = httpx.Client(timeout=10)  # one client for the step's threads, as a rollout pool shares one
 
     def step(tag: str) -> None:
         def attempt(prompt: int, sibling: int, ready: threading.Barrier) -> None:
             with otel_session.trajectory(group=f"prompt-{prompt}"):
-                httpx.post(f"{dynamo.url}/{tag}{prompt}/s{sibling}/v1/chat/completions", json={}, timeout=10)
+                ready.wait(10)  # a step's threads reach their first request together
+                client.post(f"{dynamo.url}/{tag}{prompt}/s{sibling}/v1/chat/completions", json={})
                 ready.wait(10)  # every attempt joined before any ends: two groups of four
 
         ready = threading.Barrier(8)
@@ -167,19 +169,20 @@ def test_a_first_step_of_threads_goes_without_the_session_and_the_next_is_groupe
         for thread in threads:
             thread.join(30)
 
-    step("a")
-    assert set(_attempts(dynamo).values()) == {(None, None)}
-    with otel_session.trajectory() as attempt:  # the session still exists: trusted hosts get it
+    for tag in ("a", "b"):
+        dynamo.clear()
+        step(tag)
+        carried = _attempts(dynamo)
+        assert len(carried) == 8 and None not in {session for session, _ in carried.values()}, tag
+        for prompt in (f"{tag}0", f"{tag}1"):
+            parents = Counter(parent for (p, _), (_, parent) in carried.items() if p == prompt)
+            assert sorted(parents.values()) == [2, 2] and None not in parents, tag
+    client.close()
+    with otel_session.trajectory() as attempt:
         httpx.get(f"{gym.url}/episode", timeout=10)
     assert attempt.session_id is not None and attempt.session_id in (gym.requests[0].get("baggage") or "")
-    _wait_for_size(dynamo)
-    dynamo.clear()
-    step("b")
-    carried = _attempts(dynamo)
-    assert None not in {session for session, _ in carried.values()}
-    for prompt in ("b0", "b1"):
-        parents = Counter(parent for (p, _), (_, parent) in carried.items() if p == prompt)
-        assert sorted(parents.values()) == [2, 2] and None not in parents  # 4 workers, 2 x 4: K = 2
+
+
 def test_siblings_found_by_prompt_are_sized_the_same_through_aiohttp(dynamo: Recorder) -> None:
     dynamo.instances = 16
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
@@ -290,7 +293,8 @@ def test_turns_of_a_withheld_attempt_are_no_evidence_about_affinity(dynamo: Reco
 
 
 def test_requests_attempts_are_decided_at_their_first_request_too(dynamo: Recorder) -> None:
-    """Through requests (urllib3 beneath): the first step is withheld, the next grouped by prompt."""
+    """Through requests (urllib3 beneath): both steps grouped by prompt, the first as it gathers
+    (its threads wait at their first request: ``_gathering``), the next by the first."""
     import threading
 
     import requests
@@ -315,13 +319,11 @@ def test_requests_attempts_are_decided_at_their_first_request_too(dynamo: Record
         for thread in threads:
             thread.join(timeout=30)
 
-    step()
-    assert set(_attempts(dynamo).values()) == {(None, None)}
-    _wait_for_size(dynamo)
-    dynamo.clear()
-    step()
-    parents = Counter(parent for _, parent in _attempts(dynamo).values())
-    assert sorted(parents.values()) == [2, 2] and None not in parents  # 1 group of 4, 2 workers: K = 2
+    for _ in range(2):
+        dynamo.clear()
+        step()
+        parents = Counter(parent for _, parent in _attempts(dynamo).values())
+        assert sorted(parents.values()) == [2, 2] and None not in parents  # 1 group of 4, 2 workers: K = 2
 
 
 def test_under_the_default_a_named_groups_parent_reaches_trusted_hosts_in_baggage(

@@ -975,7 +975,7 @@ def test_a_nested_attempt_under_a_withheld_one_still_carries_its_session(
     """Under ``fleet`` an attempt whose group cannot be sized yet goes without its session; one
     opened inside it has a parent (the outer one) and no group to wait for: it carries its own."""
     stand_in, server = dynamo
-    stand_in.health_delay = 0.5  # the fleet's size is still being read while the attempts run
+    stand_in.health_delay = 1.5  # still being read once a first step stops waiting for it (0.5 s)
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
     otel_session.configure(dynamo_hosts=[f"127.0.0.1:{server.port}"], siblings="fleet")
     with trajectory() as outer, httpx.Client() as client:
@@ -1303,7 +1303,7 @@ def test_a_nested_attempt_under_a_withheld_one_has_its_turns_judged(
     import openai
 
     stand_in, server = dynamo
-    stand_in.health_delay = 0.5  # the fleet's size is still being read: the outer attempt is withheld
+    stand_in.health_delay = 1.5  # unknown when the gathering gives up (0.5 s): the outer attempt is withheld
     turns: list[dict[str, Any]] = []
     monkeypatch.setattr(_metrics, "recording", lambda: True)
     monkeypatch.setattr(_metrics, "turns", type("Turns", (), {"add": lambda self, n, a: turns.append(a)})())

@@ -94,7 +94,7 @@ async def _gathered(
     instance: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    waiting: tuple[_hop.Offered, bytes | bytearray | None, _hop.Destination],
+    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination],
 ) -> Any:
     """A first step's first request of an attempt: wait for its step to gather (``_gathering``),
     then plan it and await ``sending`` (the original's coroutine, not started yet) as any other."""
@@ -112,7 +112,7 @@ async def _gathered(
 _Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
 
 
-_Gathering = list[tuple[_hop.Offered, "bytes | bytearray | None", _hop.Destination]]
+_Gathering = list[tuple[_hop.Offered, "_gathering.Body", _hop.Destination]]
 
 
 def _body_of(instance: Any) -> bytes | bytearray | None:

@@ -202,15 +202,15 @@ def _decided(offered: _hop.Offered, request: Any, destination: _hop.Destination)
     return offered.decide(_body_of(request), destination)
 
 
-_Gathering = list[tuple[_hop.Offered, "bytes | bytearray | None", _hop.Destination]]
+_Gathering = list[tuple[_hop.Offered, "_gathering.Body", _hop.Destination]]
 
 
 def _at_transport(transport: Any, request: Any, gathering: _Gathering | None = None) -> Any:
     """What httpx's own transport sends for ``request``: planned here, for the URL it dials (nothing
     over a Unix socket), unless a transport above planned it (then planned again only if that
-    transport sent it elsewhere). The caller's ``Request`` is never edited. ``gathering`` (async
-    only): an attempt's first request that is to wait for its step (``_gathering``) is put there,
-    and ``request`` returned unplanned."""
+    transport sent it elsewhere). The caller's ``Request`` is never edited. An attempt's first
+    request in a first step waits for its step (``_gathering``): here, in a thread (``gathering``
+    ``None``); an async one is put in ``gathering`` and ``request`` returned unplanned."""
     try:
         if _in_flight:
             entry = _registered(request)
@@ -225,7 +225,9 @@ def _at_transport(transport: Any, request: Any, gathering: _Gathering | None = N
             return request  # nothing to add from this context
         destination = _where(transport, request)
         if offered.undecided is not None:  # an attempt's first request: its group is still to read
-            if gathering is not None and _gathering.gathers(offered, destination):
+            if gathering is None:
+                _gathering.gather_here(offered, _body_of(request), destination)
+            elif _gathering.gathers(offered, destination):
                 gathering.append((offered, _body_of(request), destination))
                 return request
             offered = _decided(offered, request, destination)
@@ -307,6 +309,7 @@ def _begin_elsewhere(request: Any) -> tuple[Any, tuple[Any, _hop.Destination, An
             return None
         destination = _destination(request.url)
         if offered.undecided is not None:
+            _gathering.gather_here(offered, _body_of(request), destination)  # not on an event loop
             offered = _decided(offered, request, destination)
         plan, held = _planned(offered, request.headers, destination)
         if not plan.edits:
@@ -378,7 +381,7 @@ async def _gathered(
     instance: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    waiting: tuple[_hop.Offered, bytes | bytearray | None, _hop.Destination],
+    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination],
 ) -> Any:
     """Wait for the step to gather, then plan and send the request as any other."""
     await _gathering.gather(*waiting)

@@ -19,7 +19,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from otel_session import _carriers, _evidence, _faults, _hop, _metrics, _propagator
+from otel_session import _carriers, _evidence, _faults, _gathering, _hop, _metrics, _propagator
 from otel_session._policy import Edit
 from otel_session.instrumentation._base import ProbedTypes, SessionInstrumentor, Wrapper
 
@@ -152,7 +152,9 @@ def _planned(
     plan = offered.plan(*destination)
     if offered.undecided is not None and plan.route.profile is not None:  # its group still to read
         body = args[_BODY] if len(args) > _BODY else kwargs.get("body")  # requests' json= is bytes here
-        offered = offered.decide(body if isinstance(body, (bytes, bytearray, str)) else None, destination)
+        prompt = body if isinstance(body, (bytes, bytearray, str)) else None
+        _gathering.gather_here(offered, prompt, destination)  # a first step's threads (``_gathering``)
+        offered = offered.decide(prompt, destination)
         plan = offered.plan(*destination)
     base = callers if callers is not None else pool.headers
     held = _held(base, plan)
