@@ -81,7 +81,7 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     idle = siblings_note(32, 4, 8)  # 8 workers per prompt: each sibling alone
     assert "one group per worker is attempt" in idle and "OTEL_SESSION_SIBLINGS=attempt fixes K" in idle
     note = siblings_note(32, 16, 8)
-    assert "from the first step where attempts run on an event loop" in note and "threads" in note
+    assert "from the first step (its attempts wait a moment" in note and "cannot be read in time" in note
     assert "OTEL_SESSION_SIBLINGS=fleet" in idle
     assert "kv routing alone measured a higher hit rate" in siblings_note(128, 64, 8)
     assert "pairs them (groups:2)" in siblings_note(None, 8, 16)
@@ -144,7 +144,7 @@ def test_step_advice_turns_affinity_on_only_with_groups_the_caches_hold() -> Non
         assert "1.31x" in tight and "1.05x" in tight
         on = "turn session affinity on (--router-session-affinity-ttl-secs 600): the default (auto)"
         assert on in ample
-        assert "from the first step where attempts run on an event loop" in ample
+        assert "from the first step (its attempts gather at their first request)" in ample
         assert "OTEL_SESSION_SIBLINGS=groups:4" in ample and "0.60x" in ample and "=fleet" in ample
         assert "leave session affinity off" not in ample and "--kv-tokens" not in tight + ample
         assert "--kv-tokens" in step_advice(layout)  # unknown: how to have it checked

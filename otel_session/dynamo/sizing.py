@@ -178,9 +178,9 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
     setting = siblings_setting(workers, prompts, siblings)
     verdict = (
         "the default (auto) keys them so from the workers /health lists and the step's shape, from "
-        "the first step where attempts run on an event loop (async clients), from the second where "
-        f"they run in threads, whose first step it pairs (groups:{DEFAULT_GROUP}); "
-        "OTEL_SESSION_SIBLINGS=fleet sends such a step without sessions instead (kv routing alone's "
+        "the first step (its attempts wait a moment at their first request for the step to gather); "
+        f"where /health cannot be read in time it pairs them (groups:{DEFAULT_GROUP}) and "
+        "OTEL_SESSION_SIBLINGS=fleet sends that step without sessions instead (kv routing alone's "
         f"step); OTEL_SESSION_SIBLINGS={setting} fixes K from the start"
     )
     if workers >= LARGE_FLEET and siblings > 1:
@@ -201,7 +201,7 @@ LAYOUTS = ("kv", "unaware")
 #: Step makespans measured against kv routing alone's (docs/performance.md, "At fleet scale"), the
 #: figures the advice quotes: GRPO (32 workers, 16 prompts x 8, tight caches) and agentic.
 STEP_OFF = "1.05x"  # kv, the default's headers, affinity off (GRPO; routing ignores the header)
-STEP_DEFAULT_ON = "1.31x"  # kv + siblings paired (groups:2, auto's first step of threads), affinity on
+STEP_DEFAULT_ON = "1.31x"  # kv + siblings paired (groups:2, auto's first step unsized), affinity on
 STEP_GROUPED_ON = "0.60x"  # kv + one group per worker (auto from the second step, fleet), affinity on
 STEP_FRONTENDS_ON = "1.7-2.4x"  # 3 frontends behind nginx, the default, affinity on (GRPO, 1 run)
 STEP_FRONTENDS_SYNC = "0.72-0.84x"  # 3 frontends, kv alone, with --router-replica-sync (2 runs)
@@ -249,10 +249,10 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         "turn session affinity on (--router-session-affinity-ttl-secs 600): the default (auto) keys "
         f"siblings one group per worker ({grouping} here), each worker's cache holds its group's "
         f"shared prompt and contexts, and the step measured {STEP_GROUPED_ON} kv routing alone's, "
-        "from the first step where attempts run on an event loop (async clients); a first step of "
-        f"threads it pairs ({STEP_DEFAULT_ON}), which OTEL_SESSION_SIBLINGS=fleet avoids by sending "
-        f"that step without sessions (kv routing alone's step), and OTEL_SESSION_SIBLINGS={grouping} "
-        "by fixing K from the start; all this on "
+        "from the first step (its attempts gather at their first request); where /health cannot be "
+        f"read in time it pairs them ({STEP_DEFAULT_ON}), which OTEL_SESSION_SIBLINGS=fleet avoids by "
+        f"sending that step without sessions (kv routing alone's step), and "
+        f"OTEL_SESSION_SIBLINGS={grouping} by fixing K from the start; all this on "
         "one frontend: behind several, leave affinity off (each binds parents on its own: "
         f"{STEP_FRONTENDS_ON}) and run them with --router-replica-sync (kv alone's step "
         f"{STEP_FRONTENDS_SYNC} of theirs without it)"
