@@ -1,0 +1,541 @@
+"""An outside attack on the gathered first step (docs/api.md "Siblings", docs/performance.md "The
+first step, gathered"): written from the docs only, over loopback to real servers (``Recorder``
+playing a Dynamo frontend whose ``/health`` lists its workers, an aiohttp.web frontend whose
+``/health`` misbehaves, a Starlette rollout server) through real clients (httpx, aiohttp, openai).
+
+Findings (each test FAILS against main as of 1baccc5):
+- ``test_an_aiohttp_total_timeout_is_not_spent_on_the_gathering``: aiohttp's per-request
+  ``ClientTimeout(total=0.3)`` to a fast router fails with ``TimeoutError`` on every attempt of a
+  first step while ``/health`` is slow: the half-second wait runs inside aiohttp's request timeout.
+- ``test_an_aiohttp_connection_limit_does_not_cap_the_gathered_step``: attempts that wait for a
+  connection of aiohttp's pool (``TCPConnector(limit=8)``; aiohttp's default is 100) are not counted
+  by the gathering: 8 prompts x 8 siblings on 8 workers come out as 8, 4+4 and 2+2+2+2 under a
+  parent instead of one group of 8 per prompt (httpx with ``max_connections=8`` gets 8 each).
+- ``test_a_thousand_attempts_on_aiohttp_defaults_are_sized_by_the_whole_step`` (slow): the same at
+  scale, with aiohttp's default pool: 125 prompts x 8 on 64 workers are sized as 13 groups (K=2)
+  instead of 125 (K=8).
+- ``test_a_first_step_in_waves_waits_half_a_second_once`` (httpx behind an ``asyncio.Semaphore``,
+  and aiohttp's pool): with ``/health`` hanging, a second wave of attempts waits its own half
+  second: the step is ~1.0 s longer than without otel-session, not 0.5 s.
+
+Held (a test kept here for each marked *):
+- *trio (anyio's trio backend): no wait, no failure, sessions carried, siblings paired.
+- *two event loops in two threads gathering at once; uvloop and anyio-on-asyncio gather as asyncio.
+- *``unconfigure()`` / ``configure()`` of another router while attempts gather: nothing is sent to a
+  host that is no longer a router; the waiting requests go through.
+- *``/health`` answering garbage, the wrong types, 404/500, a redirect to another host (not followed:
+  that host saw nothing), a closed connection, a trickle, a hang: bounded, every request carried its
+  session, no log line; a 200,000-worker list: each alone.
+- *a sync client called inside a coroutine never waits (it would block the loop).
+- *nested trajectories never wait; a non-JSON first body, ``groups:2``, ``prompt`` and ``attempt``
+  never wait nor read ``/health``; a streamed (generator) first body never waits.
+- *``asyncio.wait_for`` cancelling the whole gather mid-wait: no group left open, no task left, the
+  next ``asyncio.run`` step goes at once with sessions and parents.
+- *the openai SDK retrying a 503 in the first step: one wait only, the retry carries the same session
+  and parent. openai's own ``timeout=0.3`` and httpx's pool timeout are not spent on the wait.
+- two concurrent first requests of one attempt: one session, one parent, counted once.
+- a mixed step (sync attempts in ``asyncio.to_thread`` beside async ones): all carried sessions.
+- a Starlette rollout server opening a trajectory per incoming request: sized by the step (4 x 4 on
+  4 workers: one group of 4 per prompt), ~0.5 s more when ``/health`` hangs.
+- 1,000/2,000/4,000 attempts at once (aiohttp, unlimited pool, ``/health`` at once): the gathering
+  adds 0.13/0.27/0.28 s over ``groups:2`` (no O(n^2)); with ``/health`` hanging, +0.5 s.
+- *the per-attempt cost after the first step: the same as ``groups:2`` (~0.2-0.4 ms per 2-attempt
+  step over no otel-session, p50 3.3 against 3.1 ms).
+- 40 configure/step/unconfigure cycles: no thread, task or memory growth beyond a few KiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+
+import aiohttp
+import anyio
+import httpx
+import openai
+import pytest
+from aiohttp import web
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import otel_session
+from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _siblings
+from tests.gym_servers import AiohttpServer
+from tests.loopback import AsgiServer
+from tests.recorder import Recorder
+
+HANGS = 3.0  # a /health that answers long after the half-second bound
+
+
+def _body(prompt: object) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": f"prompt {prompt}"}]}
+
+
+def _groups(requests: list[tuple[str, str | None, str | None]]) -> dict[str, list[int]]:
+    """path prefix (the prompt) -> sorted sizes of its parents (every request carried a session)."""
+    found: dict[str, Counter[str | None]] = {}
+    for path, session, parent in requests:
+        assert session is not None, path
+        found.setdefault(path.split("/")[1], Counter())[parent] += 1
+    return {prompt: sorted(parents.values()) for prompt, parents in sorted(found.items())}
+
+
+def _seen(dynamo: Recorder) -> list[tuple[str, str | None, str | None]]:
+    return [(s.path, s.get(SESSION_HEADER), s.get(PARENT_SESSION_HEADER)) for s in dynamo.requests]
+
+
+# ---------------------------------------------------------------------------------------- findings
+
+
+def test_an_aiohttp_total_timeout_is_not_spent_on_the_gathering(dynamo: Recorder) -> None:
+    """A router that answers in milliseconds, an aiohttp request timeout of 0.3 s: without
+    otel-session every request succeeds; with it, a first step whose /health is slow must still
+    succeed (docs: "the request is never failed for it")."""
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+
+    async def step() -> list[object]:
+        async def attempt(sibling: int) -> int:
+            async with otel_session.trajectory(group="g"):
+                timeout = aiohttp.ClientTimeout(total=0.3)
+                async with aiohttp.ClientSession(timeout=timeout) as http:
+                    url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
+                    async with http.post(url, json=_body(0)) as answer:
+                        await answer.read()
+                        return answer.status
+
+        return await asyncio.gather(*(attempt(s) for s in range(4)), return_exceptions=True)
+
+    assert asyncio.run(step()) == [200] * 4  # otel-session not configured yet: the baseline
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    dynamo.clear()
+    assert asyncio.run(step()) == [200] * 4  # main: [TimeoutError()] * 4
+
+
+def _pooled_step(dynamo: Recorder, client: str, limit: int, prompts: int = 8, siblings: int = 8) -> float:
+    """``prompts`` x ``siblings`` plain trajectories sharing one client whose pool holds ``limit``."""
+
+    async def run() -> None:
+        if client == "aiohttp":
+            connector = aiohttp.TCPConnector(limit=limit)
+            async with aiohttp.ClientSession(connector=connector) as http:
+
+                async def attempt(prompt: int, sibling: int) -> None:
+                    async with otel_session.trajectory():
+                        url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+                        async with http.post(url, json=_body(prompt)) as answer:
+                            await answer.read()
+
+                await asyncio.gather(*(attempt(p, s) for p in range(prompts) for s in range(siblings)))
+        else:
+            limits = httpx.Limits(max_connections=limit)
+            async with httpx.AsyncClient(limits=limits, timeout=30) as http:
+
+                async def attempt(prompt: int, sibling: int) -> None:
+                    async with otel_session.trajectory():
+                        url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+                        await http.post(url, json=_body(prompt))
+
+                await asyncio.gather(*(attempt(p, s) for p in range(prompts) for s in range(siblings)))
+
+    began = time.monotonic()
+    asyncio.run(run())
+    return time.monotonic() - began
+
+
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
+def test_an_aiohttp_connection_limit_does_not_cap_the_gathered_step(dynamo: Recorder, client: str) -> None:
+    """8 prompts x 8 siblings on 8 workers: K = ceil(8 / (8 // 8)) = 8, one group per prompt, whatever
+    the client's pool. httpx (held) counts every attempt; aiohttp counts only those holding one of
+    its 8 connections, sizes the step by them, and sizes the rest by that partial step."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    _pooled_step(dynamo, client, limit=8)
+    groups = _groups(_seen(dynamo))
+    assert len(groups) == 8
+    assert set(map(tuple, groups.values())) == {(8,)}, groups  # aiohttp on main: (8,), (4, 4), (2, 2, 2, 2)
+
+
+@pytest.mark.slow
+def test_a_thousand_attempts_on_aiohttp_defaults_are_sized_by_the_whole_step(dynamo: Recorder) -> None:
+    """125 prompts x 8 siblings on 64 workers through one default ``aiohttp.ClientSession()`` (its pool
+    holds 100): K = ceil(8 / max(1, 64 // 125)) = 8. On main the step is sized by the ~100 attempts
+    holding a connection (13 groups: K=2), so most prompts are split in four."""
+    dynamo.instances = 64
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as http:
+
+            async def attempt(prompt: int, sibling: int) -> None:
+                async with otel_session.trajectory():
+                    url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+                    async with http.post(url, json=_body(prompt)) as answer:
+                        await answer.read()
+
+            await asyncio.gather(*(attempt(p, s) for p in range(125) for s in range(8)))
+
+    began = time.monotonic()
+    asyncio.run(run())
+    print(f"1,000 attempts, aiohttp defaults: {time.monotonic() - began:.2f} s")
+    groups = _groups(_seen(dynamo))
+    split = sum(1 for sizes in groups.values() if sizes != [8])
+    assert len(groups) == 125 and split == 0, f"{split} of 125 prompts split: {Counter(map(tuple, groups.values()))}"
+
+
+def _waves_step(dynamo: Recorder, client: str) -> float:
+    """8 prompts x 8 siblings, all open at once, reaching the router four (or eight) at a time."""
+    if client == "aiohttp":
+        return _pooled_step(dynamo, "aiohttp", limit=8)
+
+    async def run() -> None:
+        gate = asyncio.Semaphore(4)  # "at most 4 generations in flight", a common rollout pattern
+        async with httpx.AsyncClient(timeout=30) as http:
+
+            async def attempt(prompt: int, sibling: int) -> None:
+                async with otel_session.trajectory(), gate:
+                    await http.post(f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=_body(prompt))
+
+            await asyncio.gather(*(attempt(p, s) for p in range(8) for s in range(8)))
+
+    began = time.monotonic()
+    asyncio.run(run())
+    return time.monotonic() - began
+
+
+@pytest.mark.parametrize("client", ["httpx-semaphore", "aiohttp"])
+def test_a_first_step_in_waves_waits_half_a_second_once(dynamo: Recorder, client: str) -> None:
+    """/health hangs: the docs bound the first step's wait at half a second. Attempts that reach the
+    router in waves (a semaphore, a connection pool) must not each pay it again: on main the second
+    wave waits its own half second (step ~1.0 s longer than without otel-session)."""
+    dynamo.instances = 8
+    dynamo.health_delay = HANGS
+    baseline = min(_waves_step(dynamo, client) for _ in range(2))  # not configured: nothing waits
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    dynamo.clear()
+    took = _waves_step(dynamo, client)
+    print(f"{client}: {baseline:.2f} s without otel-session, {took:.2f} s with")
+    assert len(dynamo.requests) == 64
+    assert took - baseline < 0.5 + 0.3  # main: +0.9-1.0 s
+
+
+# -------------------------------------------------------------------------------------------- held
+
+
+def test_held_trio_never_waits_nor_fails(dynamo: Recorder) -> None:
+    dynamo.instances = 2
+    dynamo.health_delay = HANGS
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    took: list[float] = []
+
+    async def attempt(http: httpx.AsyncClient, sibling: int) -> None:
+        async with otel_session.trajectory():
+            began = time.monotonic()
+            await http.post(f"{dynamo.url}/p0/s{sibling}/v1/chat/completions", json=_body(0))
+            took.append(time.monotonic() - began)
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as http, anyio.create_task_group() as group:
+            for sibling in range(4):
+                group.start_soon(attempt, http, sibling)
+
+    anyio.run(main, backend="trio")
+    assert max(took) < 0.4
+    assert _groups(_seen(dynamo)) == {"p0": [2, 2]}
+
+
+def test_held_two_event_loops_in_two_threads_gather_at_once(dynamo: Recorder) -> None:
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    results: dict[str, list[object]] = {}
+
+    def loop_of(name: str) -> None:
+        async def attempt(sibling: int) -> int:
+            async with otel_session.trajectory(group=name), httpx.AsyncClient() as http:
+                answer = await http.post(f"{dynamo.url}/{name}/s{sibling}/v1/chat/completions", json=_body(name))
+                return answer.status_code
+
+        async def run() -> list[object]:
+            return await asyncio.gather(*(attempt(s) for s in range(4)), return_exceptions=True)
+
+        results[name] = asyncio.run(run())
+
+    threads = [threading.Thread(target=loop_of, args=(name,)) for name in ("a", "b")]
+    began = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert time.monotonic() - began < 2.5
+    assert results == {"a": [200] * 4, "b": [200] * 4}
+    assert _groups(_seen(dynamo)) == {"a": [2, 2], "b": [2, 2]}
+
+
+@pytest.mark.parametrize("change", ["unconfigure", "another-router"])
+def test_held_a_change_of_configuration_while_gathering_sends_nothing_where_it_must_not(
+    dynamo: Recorder, change: str
+) -> None:
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def run() -> list[object]:
+        async with httpx.AsyncClient() as http:
+
+            async def attempt(sibling: int) -> int:
+                async with otel_session.trajectory(group="g"):
+                    url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
+                    return (await http.post(url, json=_body(0), timeout=10)).status_code
+
+            async def meanwhile() -> None:
+                await asyncio.sleep(0.1)  # the attempts are waiting for /health
+                if change == "unconfigure":
+                    otel_session.unconfigure()
+                else:
+                    otel_session.configure(dynamo_hosts=["127.0.0.9:1"], siblings="auto")
+
+            return (await asyncio.gather(*(attempt(s) for s in range(4)), meanwhile()))[:4]
+
+    assert asyncio.run(run()) == [200] * 4
+    assert [(s.get(SESSION_HEADER), s.get(PARENT_SESSION_HEADER), s.get("baggage")) for s in dynamo.requests] == [
+        (None, None, None)
+    ] * 4
+
+
+async def _garbage(request: web.Request) -> web.StreamResponse:
+    return web.Response(body=b"\xff\xfe{not json", content_type="application/json")
+
+
+async def _wrong_types(request: web.Request) -> web.StreamResponse:
+    return web.json_response({"instances": "many"})
+
+
+async def _closed(request: web.Request) -> web.StreamResponse:
+    assert request.transport is not None
+    request.transport.close()
+    return web.Response()
+
+
+async def _trickle(request: web.Request) -> web.StreamResponse:
+    answer = web.StreamResponse()
+    await answer.prepare(request)
+    for _ in range(10):
+        await answer.write(b" ")
+        await asyncio.sleep(0.1)
+    return answer
+
+
+HEALTHS: dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
+    "garbage": _garbage,
+    "wrong-types": _wrong_types,
+    "closed": _closed,
+    "trickle": _trickle,
+}
+
+
+@pytest.fixture
+def elsewhere() -> Iterator[Recorder]:
+    with Recorder(host="127.0.0.2") as server:
+        yield server
+
+
+@pytest.mark.parametrize("health", [*HEALTHS, "redirect"])
+def test_held_a_misbehaving_health_is_bounded_and_quiet(
+    health: str, elsewhere: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    arrived: list[tuple[str, str | None, str | None]] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":
+            if health == "redirect":
+                raise web.HTTPFound(f"{elsewhere.url}/health")
+            return await HEALTHS[health](request)
+        arrived.append((request.path, request.headers.get(SESSION_HEADER), request.headers.get(PARENT_SESSION_HEADER)))
+        await request.read()
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handle)
+    with AiohttpServer(app) as frontend, caplog.at_level(logging.INFO, logger="otel_session"):
+        otel_session.configure(dynamo_hosts=[frontend.url], siblings="auto")
+
+        async def run() -> None:
+            async with httpx.AsyncClient() as http:
+
+                async def attempt(prompt: int, sibling: int) -> None:
+                    async with otel_session.trajectory():
+                        url = f"{frontend.url}/p{prompt}/s{sibling}/v1/chat/completions"
+                        assert (await http.post(url, json=_body(prompt), timeout=10)).status_code == 200
+
+                await asyncio.gather(*(attempt(p, s) for p in range(2) for s in range(4)))
+
+        began = time.monotonic()
+        asyncio.run(run())
+        took = time.monotonic() - began
+    assert took < 1.5
+    assert _groups(arrived) == {"p0": [2, 2], "p1": [2, 2]}
+    assert not elsewhere.requests and not elsewhere.health_reads
+    assert len(caplog.records) <= 1
+
+
+def test_held_a_sync_client_inside_a_coroutine_never_waits(dynamo: Recorder) -> None:
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def run() -> float:
+        async with otel_session.trajectory(group="g"):
+            began = time.monotonic()
+            httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json=_body(0), timeout=10)
+            return time.monotonic() - began
+
+    assert asyncio.run(run()) < 0.4
+    assert dynamo.requests[0].get(SESSION_HEADER) is not None
+
+
+@pytest.mark.parametrize("shape", ["nested", "not-json", "groups:2", "prompt", "attempt"])
+def test_held_what_needs_no_sizing_never_waits(dynamo: Recorder, shape: str) -> None:
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+    siblings = shape if shape in ("groups:2", "prompt", "attempt") else "auto"
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings=siblings)
+
+    async def run() -> float:
+        async with httpx.AsyncClient() as http:
+
+            async def attempt(sibling: int) -> None:
+                async with otel_session.trajectory():
+                    url = f"{dynamo.url}/p0/s{sibling}/v1/completions"
+                    if shape == "not-json":
+                        await http.post(url, content=b"plain text, not a prompt", timeout=10)
+                    else:
+                        await http.post(url, json={"model": "m", "prompt": "p"}, timeout=10)
+
+            began = time.monotonic()
+            if shape == "nested":
+                async with otel_session.trajectory():
+                    await asyncio.gather(*(attempt(s) for s in range(4)))
+            else:
+                await asyncio.gather(*(attempt(s) for s in range(4)))
+            return time.monotonic() - began
+
+    assert asyncio.run(run()) < 0.4
+    assert len(dynamo.requests) == 4 and None not in {s.get(SESSION_HEADER) for s in dynamo.requests}
+    if shape != "nested" and siblings != "auto":
+        assert not dynamo.health_reads
+
+
+def test_held_the_whole_step_cancelled_mid_wait_leaves_nothing_behind(dynamo: Recorder) -> None:
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def attempt(sibling: int) -> None:
+        async with otel_session.trajectory(group="g"), httpx.AsyncClient() as http:
+            await http.post(f"{dynamo.url}/p0/s{sibling}/v1/chat/completions", json=_body(0), timeout=10)
+
+    async def cancelled() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(attempt(s) for s in range(4))), 0.15)
+        await asyncio.sleep(0)
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(cancelled())
+    assert _siblings.open_groups() == 0 and not dynamo.requests
+
+    async def again() -> float:
+        began = time.monotonic()
+        await asyncio.gather(*(attempt(s) for s in range(4)))
+        return time.monotonic() - began
+
+    assert asyncio.run(again()) < 0.45
+    assert _groups(_seen(dynamo)) == {"p0": [2, 2]}
+
+
+def test_held_the_openai_sdk_retrying_a_503_waits_once(dynamo: Recorder) -> None:
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+    dynamo.fail_next.extend([503, 503])
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def run() -> list[float]:
+        async with openai.AsyncOpenAI(base_url=f"{dynamo.url}/v1", api_key="k", max_retries=2) as client:
+
+            async def attempt() -> float:
+                async with otel_session.trajectory():
+                    began = time.monotonic()
+                    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "same"}])
+                    return time.monotonic() - began
+
+            return await asyncio.gather(attempt(), attempt())
+
+    took = asyncio.run(run())
+    assert max(took) < 0.5 + 1.0 + 0.4  # one wait and the SDK's own backoff (<= 1 s), not two waits
+    carried: dict[str | None, set[str | None]] = {}
+    for seen in dynamo.requests:
+        carried.setdefault(seen.get(SESSION_HEADER), set()).add(seen.get(PARENT_SESSION_HEADER))
+    assert len(carried) == 2 and None not in carried
+    assert all(len(parents) == 1 for parents in carried.values())
+
+
+def test_held_a_rollout_server_opening_a_trajectory_per_request_is_sized_by_its_step(dynamo: Recorder) -> None:
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def rollout(request: Request) -> JSONResponse:
+        asked = await request.json()
+        async with otel_session.trajectory(), httpx.AsyncClient() as http:
+            url = f"{dynamo.url}/{asked['prompt']}/s{asked['sibling']}/v1/chat/completions"
+            answer = await http.post(url, json=_body(asked["prompt"]))
+        return JSONResponse({"status": answer.status_code})
+
+    app = Starlette(routes=[Route("/rollout", rollout, methods=["POST"])])
+    with AsgiServer(app) as environment:
+
+        async def drive() -> list[int]:
+            async with httpx.AsyncClient(timeout=10) as http:
+                asked = [{"prompt": f"p{p}", "sibling": s} for p in range(4) for s in range(4)]
+                answers = await asyncio.gather(*(http.post(f"{environment.url}/rollout", json=a) for a in asked))
+                return [answer.json()["status"] for answer in answers]
+
+        assert asyncio.run(drive()) == [200] * 16
+    assert set(map(tuple, _groups(_seen(dynamo)).values())) == {(4,)}
+
+
+@pytest.mark.slow
+def test_held_after_the_first_step_an_attempt_costs_what_groups_2_costs(dynamo: Recorder) -> None:
+    dynamo.instances = 4
+
+    def cost(siblings: str | None) -> float:
+        otel_session.unconfigure()
+        if siblings is not None:
+            otel_session.configure(dynamo_hosts=[dynamo.url], siblings=siblings)
+
+        async def run() -> list[float]:
+            async with httpx.AsyncClient() as http:
+
+                async def attempt(key: str) -> None:
+                    async with otel_session.trajectory(group=key):
+                        await http.post(f"{dynamo.url}/p/s/v1/chat/completions", json=_body(key))
+
+                await asyncio.gather(*(attempt("first") for _ in range(4)))  # the first step
+                took = []
+                for index in range(300):
+                    began = time.perf_counter()
+                    await asyncio.gather(attempt(f"k{index}"), attempt(f"k{index}"))
+                    took.append(time.perf_counter() - began)
+                return took
+
+        return statistics.median(asyncio.run(run()))
+
+    plain, paired, auto = cost(None), cost("groups:2"), cost("auto")
+    print(f"a 2-attempt step after the first: {plain * 1e3:.2f} ms bare, {paired * 1e3:.2f} groups:2, {auto * 1e3:.2f} auto")
+    assert auto < paired * 1.3 + 0.0005
