@@ -4,9 +4,11 @@ playing a Dynamo frontend whose ``/health`` lists its workers, an aiohttp.web fr
 ``/health`` misbehaves, a Starlette rollout server) through real clients (httpx, aiohttp, openai).
 
 Findings (each test FAILS against main as of 1baccc5):
-- ``test_an_aiohttp_total_timeout_is_not_spent_on_the_gathering``: aiohttp's per-request
-  ``ClientTimeout(total=0.3)`` to a fast router fails with ``TimeoutError`` on every attempt of a
-  first step while ``/health`` is slow: the half-second wait runs inside aiohttp's request timeout.
+- ``test_an_aiohttp_timeout_is_not_spent_on_the_gathering``: aiohttp's ``ClientTimeout(total=0.3)``
+  to a fast router fails with ``TimeoutError`` on every attempt of a first step while ``/health`` is
+  slow: the half-second wait runs inside aiohttp's request timeout. ``ClientTimeout(connect=0.3)`` on
+  a pool of 4 fails the attempts queued for a connection (``ConnectionTimeoutError``): the waiting
+  attempts hold the pool's connections through their wait.
 - ``test_an_aiohttp_connection_limit_does_not_cap_the_gathered_step``: attempts that wait for a
   connection of aiohttp's pool (``TCPConnector(limit=8)``; aiohttp's default is 100) are not counted
   by the gathering: 8 prompts x 8 siblings on 8 workers come out as 8, 4+4 and 2+2+2+2 under a
@@ -99,29 +101,41 @@ def _seen(dynamo: Recorder) -> list[tuple[str, str | None, str | None]]:
 # ---------------------------------------------------------------------------------------- findings
 
 
-def test_an_aiohttp_total_timeout_is_not_spent_on_the_gathering(dynamo: Recorder) -> None:
-    """A router that answers in milliseconds, an aiohttp request timeout of 0.3 s: without
-    otel-session every request succeeds; with it, a first step whose /health is slow must still
-    succeed (docs: "the request is never failed for it")."""
+@pytest.mark.parametrize("timeout", ["total", "connect"])
+def test_an_aiohttp_timeout_is_not_spent_on_the_gathering(dynamo: Recorder, timeout: str) -> None:
+    """A router that answers in milliseconds; an aiohttp request timeout of 0.3 s (``total``, or
+    ``connect`` on a pool of 4 connections, which covers waiting for one). Without otel-session every
+    request succeeds; with it, a first step whose /health is slow must still succeed (docs: "the
+    request is never failed for it"). On main the wait runs inside aiohttp's timeout: ``total`` fails
+    all four with ``TimeoutError``; ``connect`` fails the second prompt's four, queued behind the
+    first prompt's, which hold the connections while they wait (``ConnectionTimeoutError``)."""
     dynamo.instances = 4
     dynamo.health_delay = HANGS
 
     async def step() -> list[object]:
-        async def attempt(sibling: int) -> int:
-            async with otel_session.trajectory(group="g"):
-                timeout = aiohttp.ClientTimeout(total=0.3)
-                async with aiohttp.ClientSession(timeout=timeout) as http:
-                    url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
-                    async with http.post(url, json=_body(0)) as answer:
+        if timeout == "total":
+            limits = aiohttp.ClientTimeout(total=0.3)
+        else:
+            limits = aiohttp.ClientTimeout(total=30, connect=0.3)
+        connector = aiohttp.TCPConnector(limit=4)
+        async with aiohttp.ClientSession(timeout=limits, connector=connector) as http:
+
+            async def attempt(prompt: int, sibling: int) -> int:
+                async with otel_session.trajectory():
+                    url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+                    async with http.post(url, json=_body(prompt)) as answer:
                         await answer.read()
                         return answer.status
 
-        return await asyncio.gather(*(attempt(s) for s in range(4)), return_exceptions=True)
+            prompts = 1 if timeout == "total" else 2
+            attempts = (attempt(p, s) for p in range(prompts) for s in range(4))
+            return await asyncio.gather(*attempts, return_exceptions=True)
 
-    assert asyncio.run(step()) == [200] * 4  # otel-session not configured yet: the baseline
+    expected = [200] * (4 if timeout == "total" else 8)
+    assert asyncio.run(step()) == expected  # otel-session not configured yet: the baseline
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
     dynamo.clear()
-    assert asyncio.run(step()) == [200] * 4  # main: [TimeoutError()] * 4
+    assert asyncio.run(step()) == expected  # main: TimeoutError (total), ConnectionTimeoutError (connect)
 
 
 def _pooled_step(dynamo: Recorder, client: str, limit: int, prompts: int = 8, siblings: int = 8) -> float:
