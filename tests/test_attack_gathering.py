@@ -9,6 +9,10 @@ Findings (each test FAILS against main as of 1baccc5):
   slow: the half-second wait runs inside aiohttp's request timeout. ``ClientTimeout(connect=0.3)`` on
   a pool of 4 fails the attempts queued for a connection (``ConnectionTimeoutError``): the waiting
   attempts hold the pool's connections through their wait.
+- ``test_an_aiohttp_keep_alive_connection_does_not_die_while_its_request_waits``: aiohttp hands the
+  request a pooled keep-alive connection before otel-session waits; a frontend that closes idle
+  connections (here after 0.3 s) closes it during the wait, and every POST of the first step fails
+  with ``ServerDisconnectedError`` (without otel-session all succeed).
 - ``test_an_aiohttp_connection_limit_does_not_cap_the_gathered_step``: attempts that wait for a
   connection of aiohttp's pool (``TCPConnector(limit=8)``; aiohttp's default is 100) are not counted
   by the gathering: 8 prompts x 8 siblings on 8 workers come out as 8, 4+4 and 2+2+2+2 under a
@@ -136,6 +140,51 @@ def test_an_aiohttp_timeout_is_not_spent_on_the_gathering(dynamo: Recorder, time
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
     dynamo.clear()
     assert asyncio.run(step()) == expected  # main: TimeoutError (total), ConnectionTimeoutError (connect)
+
+
+def test_an_aiohttp_keep_alive_connection_does_not_die_while_its_request_waits() -> None:
+    """A frontend closing idle keep-alive connections after 0.3 s (aiohttp.web's
+    ``keepalive_timeout``; uvicorn's default is 5 s, so a connection idle 4.6 s meets it too), a
+    client session warmed up by a request outside any trajectory (listing models, a health check),
+    /health slower than the half second. Without otel-session the step's POSTs reuse the warm
+    connections at once. On main aiohttp hands each POST a pooled connection, otel-session then
+    holds it through its wait, the frontend closes it meanwhile, and every POST fails with
+    ``ServerDisconnectedError`` (a POST is not retried)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":
+            await asyncio.sleep(1.5)
+            listed = [{"endpoint": "generate", "instance_id": i} for i in range(4)]
+            return web.json_response({"instances": listed})
+        await request.read()
+        return web.json_response({"ok": True})
+
+    app = web.Application(handler_args={"keepalive_timeout": 0.3})
+    app.router.add_route("*", "/{path:.*}", handle)
+    frontend = AiohttpServer(app)
+
+    async def step() -> list[object]:
+        async with aiohttp.ClientSession() as http:
+
+            async def warm_up() -> None:
+                async with http.get(f"{frontend.url}/v1/models") as answer:
+                    await answer.read()
+
+            await asyncio.gather(*(warm_up() for _ in range(4)))  # four warm connections in the pool
+
+            async def attempt(sibling: int) -> int:
+                async with otel_session.trajectory():
+                    url = f"{frontend.url}/p0/s{sibling}/v1/chat/completions"
+                    async with http.post(url, json=_body(0)) as answer:
+                        await answer.read()
+                        return answer.status
+
+            return await asyncio.gather(*(attempt(s) for s in range(4)), return_exceptions=True)
+
+    with frontend:
+        assert asyncio.run(step()) == [200] * 4  # otel-session not configured yet: the baseline
+        otel_session.configure(dynamo_hosts=[frontend.url], siblings="auto")
+        assert asyncio.run(step()) == [200] * 4  # main: [ServerDisconnectedError] * 4
 
 
 def _pooled_step(dynamo: Recorder, client: str, limit: int, prompts: int = 8, siblings: int = 8) -> float:
