@@ -12,7 +12,9 @@ Findings (each test FAILS against main as of 1baccc5):
 - ``test_an_aiohttp_keep_alive_connection_does_not_die_while_its_request_waits``: aiohttp hands the
   request a pooled keep-alive connection before otel-session waits; a frontend that closes idle
   connections (here after 0.3 s) closes it during the wait, and every POST of the first step fails
-  with ``ServerDisconnectedError`` (without otel-session all succeed).
+  with ``ServerDisconnectedError`` (without otel-session all succeed). With nothing tuned
+  (slow: ``..._meets_uvicorns_default_keep_alive``), warm connections idle 4.7 s against uvicorn's
+  default 5 s keep-alive fail the same way.
 - ``test_an_aiohttp_connection_limit_does_not_cap_the_gathered_step``: attempts that wait for a
   connection of aiohttp's pool (``TCPConnector(limit=8)``; aiohttp's default is 100) are not counted
   by the gathering: 8 prompts x 8 siblings on 8 workers come out as 8, 4+4 and 2+2+2+2 under a
@@ -185,6 +187,39 @@ def test_an_aiohttp_keep_alive_connection_does_not_die_while_its_request_waits()
         assert asyncio.run(step()) == [200] * 4  # otel-session not configured yet: the baseline
         otel_session.configure(dynamo_hosts=[frontend.url], siblings="auto")
         assert asyncio.run(step()) == [200] * 4  # main: [ServerDisconnectedError] * 4
+
+
+@pytest.mark.slow
+def test_an_aiohttp_connection_idle_for_4_7_s_meets_uvicorns_default_keep_alive(dynamo: Recorder) -> None:
+    """The same with nothing tuned: ``Recorder`` is uvicorn with its default 5 s keep-alive; the
+    client's warm connections idle 4.7 s (a framework's start-up checks, then the first step). On
+    main every POST of the first step fails with ``ServerDisconnectedError``; without otel-session
+    (first run) all succeed."""
+    dynamo.instances = 4
+    dynamo.health_delay = HANGS
+
+    async def step() -> list[object]:
+        async with aiohttp.ClientSession() as http:
+
+            async def warm_up() -> None:
+                async with http.get(f"{dynamo.url}/v1/models") as answer:
+                    await answer.read()
+
+            await asyncio.gather(*(warm_up() for _ in range(4)))
+            await asyncio.sleep(4.7)
+
+            async def attempt(sibling: int) -> int:
+                async with otel_session.trajectory():
+                    url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
+                    async with http.post(url, json=_body(0)) as answer:
+                        await answer.read()
+                        return answer.status
+
+            return await asyncio.gather(*(attempt(s) for s in range(4)), return_exceptions=True)
+
+    assert asyncio.run(step()) == [200] * 4  # otel-session not configured yet: the baseline
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    assert asyncio.run(step()) == [200] * 4  # main: [ServerDisconnectedError] * 4
 
 
 def _pooled_step(dynamo: Recorder, client: str, limit: int, prompts: int = 8, siblings: int = 8) -> float:
