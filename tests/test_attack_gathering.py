@@ -15,6 +15,9 @@ Findings (each test FAILS against main as of 1baccc5):
   with ``ServerDisconnectedError`` (without otel-session all succeed). With nothing tuned
   (slow: ``..._meets_uvicorns_default_keep_alive``), warm connections idle 4.7 s against uvicorn's
   default 5 s keep-alive fail the same way.
+- ``test_the_openai_sdks_aiohttp_backend_is_gathered_too``: ``AsyncOpenAI(http_client=
+  openai.DefaultAioHttpClient())`` (httpx-aiohttp, added to ``dev``) never waits, even with
+  ``/health`` hanging: its first step is sized as one of threads (pairs where K is 1).
 - ``test_an_aiohttp_connection_limit_does_not_cap_the_gathered_step``: attempts that wait for a
   connection of aiohttp's pool (``TCPConnector(limit=8)``; aiohttp's default is 100) are not counted
   by the gathering: 8 prompts x 8 siblings on 8 workers come out as 8, 4+4 and 2+2+2+2 under a
@@ -229,6 +232,33 @@ def test_an_aiohttp_connection_idle_for_4_7_s_meets_uvicorns_default_keep_alive(
     assert asyncio.run(step()) == [200] * 4  # otel-session not configured yet: the baseline
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
     assert asyncio.run(step()) == [200] * 4  # main: [ServerDisconnectedError] * 4
+
+
+@pytest.mark.parametrize("backend", ["httpx", "aiohttp"])
+def test_the_openai_sdks_aiohttp_backend_is_gathered_too(dynamo: Recorder, backend: str) -> None:
+    """2 prompts x 4 siblings on 8 workers through ``openai.AsyncOpenAI``: K = ceil(4 / (8 // 2)) = 1,
+    each alone. The SDK's default backend (held) is gathered; its aiohttp backend
+    (``http_client=openai.DefaultAioHttpClient()``, which the SDK recommends for concurrency) is not
+    on main: the step goes at once, as a step of threads does, and pairs siblings."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def run() -> None:
+        extra = {"http_client": openai.DefaultAioHttpClient()} if backend == "aiohttp" else {}
+        async with openai.AsyncOpenAI(base_url=f"{dynamo.url}/v1", api_key="k", **extra) as client:  # type: ignore[arg-type]
+
+            async def attempt(prompt: int) -> None:
+                async with otel_session.trajectory():
+                    content = f"prompt {prompt}"
+                    await client.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": content}]
+                    )
+
+            await asyncio.gather(*(attempt(p) for p in range(2) for _ in range(4)))
+
+    asyncio.run(run())
+    assert len(dynamo.requests) == 8 and None not in {s.get(SESSION_HEADER) for s in dynamo.requests}
+    assert {s.get(PARENT_SESSION_HEADER) for s in dynamo.requests} == {None}  # aiohttp on main: 4 pairs
 
 
 def _pooled_step(dynamo: Recorder, client: str, limit: int, prompts: int = 8, siblings: int = 8) -> float:
