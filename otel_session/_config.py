@@ -21,6 +21,7 @@ from otel_session import (
     _evidence,
     _faults,
     _fleet,
+    _gathering,
     _registry,
     _settings,
     _siblings,
@@ -151,6 +152,7 @@ def unconfigure() -> None:
         _evidence.forget()  # what the routers of this configuration showed, and who was unpinned
         _fleet.forget()  # the fleet sizes read and the step shape seen (``fleet``): the next
         _siblings.forget_shape()  # configuration may name other routers and run other steps
+        _gathering.forget()
         _tracing.apply(False)
         _threads.apply(False)
         for name in _registry.instrumentors():

@@ -94,13 +94,28 @@ class _Look:
         self.seen = -1
 
     def again(self) -> bool:
-        """Whether to look once more: an attempt arrived since the last look, or the size is unknown."""
+        """Whether to look once more: an attempt arrived since the last look, or the size is unknown
+        (at a router whose size a wait of this step already gave up on, it is not waited for again:
+        the step is paired there)."""
         now = _siblings.joined()
-        known = _fleet.size_at(self.origin, self.withholds) is not None
-        if (now == self.seen and known) or time.monotonic() >= self.end:
+        known = _fleet.size_at(self.origin, self.withholds) is not None or self.origin in _gave_up
+        if now == self.seen and known:
+            return False
+        if time.monotonic() >= self.end:
+            if not known and len(_gave_up) < ORIGINS_KEPT:
+                _gave_up.add(self.origin)
             return False
         self.seen = now
         return True
+
+
+ORIGINS_KEPT = 64
+_gave_up: set[_fleet.Origin] = set()  # routers whose size a wait gave up on (until ``forget``)
+
+
+def forget() -> None:
+    """Forget the routers given up on (``unconfigure()``): the next configuration waits afresh."""
+    _gave_up.clear()
 
 
 def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> _Look | None:

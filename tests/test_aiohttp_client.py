@@ -204,6 +204,5 @@ def test_a_send_never_awaited_warns_twice_as_documented(dynamo: Recorder) -> Non
     )
     assert out.returncode == 0, out.stderr
     said = sorted(line.split("coroutine ")[1] for line in out.stderr.splitlines() if "never awaited" in line)
-    # a process's first step: ours is the coroutine that waits for the step to gather (_gathering)
-    assert said == ["'ClientRequest.send' was never awaited", "'_gathered' was never awaited"], out.stderr
+    assert said == ["'ClientRequest.send' was never awaited", "'_hop_send' was never awaited"], out.stderr
     assert not [seen for seen in dynamo.requests if seen.path == "/unsent"]

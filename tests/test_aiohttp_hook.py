@@ -166,11 +166,16 @@ def test_instrumenting_finds_aiohttps_bytes_payloads(monkeypatch: pytest.MonkeyP
     targets = hook._INSTRUMENTOR.targets(aiohttp)
     assert (aiohttp.payload.BytesPayload,) == hook._BYTES_PAYLOADS
     assert [(owner, name) for owner, name, _ in targets] == [
+        (aiohttp.ClientSession, "_request"),
         (aiohttp.ClientRequest, "send"),
         (aiohttp.ClientResponse, "start"),
         (aiohttp.ClientResponse, "json"),
     ]
-    bare = SimpleNamespace(ClientRequest=aiohttp.ClientRequest, ClientResponse=aiohttp.ClientResponse)
+    bare = SimpleNamespace(
+        ClientSession=aiohttp.ClientSession,
+        ClientRequest=aiohttp.ClientRequest,
+        ClientResponse=aiohttp.ClientResponse,
+    )
     hook._INSTRUMENTOR.targets(bare)  # type: ignore[arg-type]
     assert hook._BYTES_PAYLOADS == ()
     hook._INSTRUMENTOR.targets(SimpleNamespace(**vars(bare), payload=SimpleNamespace(BytesPayload=1)))  # type: ignore[arg-type]

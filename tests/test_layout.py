@@ -38,7 +38,7 @@ CORE = (
 # 3,150 until fleet withholding where pinning crowds, group keys hashed once outside the locks, attempts
 # ended out of order, and the async-generator and re-targeted-transport fixes of the fifth round.
 # 3,300 until a first step gathered before its groups are sized (``_gathering``: asyncio and threads).
-CORE_MAX_LINES = 3_450
+CORE_MAX_LINES = 3_480
 # Core modules beside the request path (counting, and judging what clients received): held to the
 # same import rule, not counted in the core's size.
 BESIDE_CORE = (

@@ -10,12 +10,13 @@ aiohttp's upstream instrumentation injects through the global propagator before 
 no destination is known, so ours adds nothing there. Where stock propagators are composed with ours
 they do add, to every host: this hook then takes back what is recognisably ours (our trace's
 ``traceparent``, our ``session.id`` however encoded) where it must not go. (Over 300 lines: the
-send's plan, its copy of the headers, the first step's wait (``_gathering``) and the answer's
-status are one hop, from the same ``ClientRequest``.)
+send's plan, its copy of the headers, the first step's wait (``_gathering``, in ``_request``
+before a connection is taken) and the answer's status are one hop.)
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import weakref
 from types import ModuleType
@@ -80,39 +81,56 @@ def _send(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     where there is nothing to add, take back or watch, as for the usual request outside a
     trajectory or to a host that gets nothing; else through ``_hop_send``. The original is called at
     once either way, so a call it refuses fails here, as it would unpatched."""
-    gathering: _Gathering = []
-    planned = _planned(instance, args, kwargs, gathering) if _INSTRUMENTOR.active else None
-    if gathering:
-        return _gathered(wrapped(*args, **kwargs), instance, args, kwargs, gathering[0])
+    planned = _planned(instance, args, kwargs) if _INSTRUMENTOR.active else None
     if planned is None:
         return wrapped(*args, **kwargs)
     return _hop_send(wrapped(*args, **kwargs), instance, *planned)
 
 
-async def _gathered(
-    sending: Any,
-    instance: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination],
-) -> Any:
-    """A first step's first request of an attempt: wait for its step to gather (``_gathering``),
-    then plan it and await ``sending`` (the original's coroutine, not started yet) as any other."""
+def _request(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ClientSession._request``: an attempt's first request in a process's first step waits here
+    for its step to gather (``_gathering``), before aiohttp takes a pooled connection (which its peer
+    may close meanwhile, or other attempts queue for) or starts the request's timeout; any other call
+    goes on as it is, the original called at once either way."""
+    waiting = _to_gather(instance, args, kwargs) if _INSTRUMENTOR.active else None
+    if waiting is None:
+        return wrapped(*args, **kwargs)
+    return _gathered(wrapped(*args, **kwargs), waiting)
+
+
+def _to_gather(
+    session: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[_hop.Offered, _gathering.Body, _hop.Destination] | None:
+    """(what the context offers, the prompt's body, the destination) for a request that is to wait
+    for its step; ``None`` for every other (a fault here is the request's own planning's to report)."""
+    try:
+        offered = _hop.current()
+        if offered is None or offered.undecided is None:
+            return None
+        url = args[1] if len(args) > 1 else kwargs.get("str_or_url")
+        url = session._build_url(url)  # the session's base_url joined, as aiohttp itself does
+        destination = (url.scheme, url.raw_host, url.port)
+        if not _gathering.gathers(offered, destination):
+            return None
+        body = kwargs.get("data")
+        if kwargs.get("json") is not None:
+            body = json.dumps(kwargs["json"])  # the prompt is read from it, not the bytes: any dumps does
+        return offered, body if isinstance(body, (bytes, bytearray, str)) else None, destination
+    except Exception:
+        return None
+
+
+async def _gathered(sending: Any, waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination]) -> Any:
+    """Wait for the step to gather, then await ``sending`` (the original's coroutine, not started)."""
     try:
         await _gathering.gather(*waiting)
     except BaseException:
         sending.close()  # cancelled while it waited: never started, so no "never awaited" for it
         raise
-    planned = _planned(instance, args, kwargs)
-    if planned is None:
-        return await sending
-    return await _hop_send(sending, instance, *planned)
+    return await sending
 
 
 _Planned = tuple[Any, bool, "_hop.Plan | None", dict[str, str], bool]
-
-
-_Gathering = list[tuple[_hop.Offered, "_gathering.Body", _hop.Destination]]
 
 
 def _body_of(instance: Any) -> bytes | bytearray | None:
@@ -131,13 +149,9 @@ def _decided(offered: _hop.Offered, instance: Any, destination: _hop.Destination
     return offered.decide(_body_of(instance), destination)
 
 
-def _planned(
-    instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gathering: _Gathering | None = None
-) -> _Planned | None:
+def _planned(instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Planned | None:
     """(the caller's headers, whether ``instance`` holds another send's copy of them, the plan, what
-    the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do.
-    ``gathering``: an attempt's first request that is to wait for its step (``_gathering``) is put
-    there, unplanned."""
+    the caller's hold of its names, whether the hop is watched) for one send; ``None``: nothing to do."""
     try:
         if instance.method == "CONNECT":
             return None
@@ -160,9 +174,6 @@ def _planned(
                 destination = (url.scheme, url.raw_host, url.port)
                 plan = offered.plan(*destination)
                 if offered.undecided is not None and plan.route.profile is not None:
-                    if gathering is not None and _gathering.gathers(offered, destination):
-                        gathering.append((offered, _body_of(instance), destination))
-                        return None
                     plan = _decided(offered, instance, destination).plan(*destination)
             # aiohttp's own instrumentation injects before this, with no destination: under a stock
             # propagator composed with ours, what it copied is taken back here, where the hop is known.
@@ -321,6 +332,7 @@ class AioHttpSessionInstrumentor(SessionInstrumentor):
         kind = getattr(getattr(module, "payload", None), "BytesPayload", None)
         _BYTES_PAYLOADS = (kind,) if isinstance(kind, type) else ()
         return [
+            (module.ClientSession, "_request", _request),
             (module.ClientRequest, "send", _send),
             (module.ClientResponse, "start", _start),
             (module.ClientResponse, "json", _json),

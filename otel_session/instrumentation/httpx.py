@@ -293,11 +293,13 @@ def _replan_at(request: Any, entry: tuple[Any, _hop.Destination, Any], destinati
     return request
 
 
-def _begin_elsewhere(request: Any) -> tuple[Any, tuple[Any, _hop.Destination, Any]] | None:
+def _begin_elsewhere(
+    request: Any, gathering: _Gathering | None = None
+) -> tuple[Any, tuple[Any, _hop.Destination, Any]] | None:
     """A hop through a transport that may not be httpx's own: (our copy to send, its in-flight entry,
     registered by the caller while it is sent); ``None``: send what it was handed (nothing of ours to
     add, or a copy a transport wrapping this one made, planned again here if that one sent it
-    elsewhere)."""
+    elsewhere, or an attempt's first request put in ``gathering`` to wait for its step)."""
     try:
         if _in_flight:
             entry = _registered(request)
@@ -309,7 +311,11 @@ def _begin_elsewhere(request: Any) -> tuple[Any, tuple[Any, _hop.Destination, An
             return None
         destination = _destination(request.url)
         if offered.undecided is not None:
-            _gathering.gather_here(offered, _body_of(request), destination)  # not on an event loop
+            if gathering is None:
+                _gathering.gather_here(offered, _body_of(request), destination)  # not on an event loop
+            elif _gathering.gathers(offered, destination):
+                gathering.append((offered, _body_of(request), destination))
+                return None
             offered = _decided(offered, request, destination)
         plan, held = _planned(offered, request.headers, destination)
         if not plan.edits:
@@ -421,14 +427,34 @@ def _handle_elsewhere(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
 def _handle_elsewhere_async(
     wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The original called at once with our copy; the copy is in flight while its coroutine runs."""
+    """The original called at once with our copy; the copy is in flight while its coroutine runs. A
+    first step's first request of an attempt waits for its step first (``_gathering``), in a
+    coroutine of ours (the openai SDK's aiohttp backend is such a transport)."""
+    return _elsewhere_async(wrapped, args, kwargs, [])
+
+
+def _elsewhere_async(
+    wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gathering: _Gathering | None
+) -> Any:
     request = _request_of(args, kwargs)
-    begun = _begin_elsewhere(request) if request is not None else None
+    begun = _begin_elsewhere(request, gathering) if request is not None else None
+    if gathering:
+        return _gathered_elsewhere(wrapped, args, kwargs, gathering[0])
     if begun is None:
         return wrapped(*args, **kwargs)
     sent, entry = begun
     sent_args, sent_kwargs = _with_request(args, kwargs, sent)
     return _in_flight_while(wrapped(*sent_args, **sent_kwargs), entry)
+
+
+async def _gathered_elsewhere(
+    wrapped: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination],
+) -> Any:
+    await _gathering.gather(*waiting)
+    return await _elsewhere_async(wrapped, args, kwargs, None)
 
 
 async def _in_flight_while(sending: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
