@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import threading
 import time
 from collections import Counter
