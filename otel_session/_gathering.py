@@ -85,20 +85,20 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
 class _Look:
     """The wait's state: when it ends at the latest, and the attempts counted at the last look."""
 
-    __slots__ = ("end", "origin", "seen", "withholds")
+    __slots__ = ("end", "origin", "seen")
 
-    def __init__(self, origin: _fleet.Origin, withholds: bool) -> None:
+    def __init__(self, origin: _fleet.Origin) -> None:
         self.origin = origin
-        self.withholds = withholds
         self.end = time.monotonic() + WAIT
         self.seen = -1
 
     def again(self) -> bool:
         """Whether to look once more: an attempt arrived since the last look, or the size is unknown
         (at a router whose size a wait of this step already gave up on, it is not waited for again:
-        the step is paired there)."""
+        the step is paired there). A read started here tells nothing: ``fleet``'s own request
+        planning starts its read first, and says what ``fleet`` says of a router without a list."""
         now = _siblings.joined()
-        known = _fleet.size_at(self.origin, self.withholds) is not None or self.origin in _gave_up
+        known = _fleet.size_at(self.origin, False) is not None or self.origin in _gave_up
         if now == self.seen and known:
             return False
         if time.monotonic() >= self.end:
@@ -128,4 +128,4 @@ def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -
     if holder.key is None:
         return None
     scheme, host, port = destination
-    return _Look((scheme, host or "", port), holder.policy.withholds)
+    return _Look((scheme, host or "", port))

@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 from collections import Counter
+from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 import httpx
@@ -18,6 +20,7 @@ import pytest
 
 import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults, _gathering, _siblings
+from otel_session._siblings import Siblings
 from tests.recorder import Recorder
 
 
@@ -175,7 +178,10 @@ def test_a_fault_of_ours_while_gathering_never_fails_the_request(
         _step(dynamo, prompts=1, siblings=2)
     assert len(dynamo.requests) == 2
     assert None not in {seen.get(SESSION_HEADER) for seen in dynamo.requests}
-    assert any("gathering a first step" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.getMessage().startswith("otel-session: gathering a first step's attempts failed (RuntimeError);")
+        for r in caplog.records
+    )
 
 
 def test_an_attempt_cancelled_while_it_gathers_leaves_its_group(dynamo: Recorder) -> None:
@@ -196,3 +202,129 @@ def test_an_attempt_cancelled_while_it_gathers_leaves_its_group(dynamo: Recorder
 
     asyncio.run(run())
     assert _siblings.open_groups() == 0 and not dynamo.requests
+
+
+# ---- the rules, one by one (in-process) ----------------------------------------------------------
+
+
+def _offered(
+    policy: str = "auto",
+    key: object = None,
+    parent: str | None = "X-Dynamo-Parent-Session-ID",
+    fails: bool = False,
+) -> Any:
+    """What ``_hop.current()`` offers, as far as ``_gathering`` reads it: the undecided attempt and
+    the route to a destination (a stand-in: these rules read nothing else of it)."""
+    holder = SimpleNamespace(key=key, policy=Siblings.parse(policy))
+    profile = None if parent == "none" else SimpleNamespace(parent_header=parent)
+
+    def plan(*destination: object) -> Any:
+        if fails:
+            raise RuntimeError("a bug of ours")
+        return SimpleNamespace(route=SimpleNamespace(profile=profile))
+
+    return SimpleNamespace(undecided=holder, plan=plan)
+
+
+def test_which_requests_wait_for_their_step() -> None:
+    _siblings.forget_shape()
+    here = ("http", "127.0.0.1", 8000)
+    assert _gathering._eligible(_offered(), here)
+    assert _gathering._eligible(_offered("fleet"), ("http", "127.0.0.1", None))  # a default port
+    assert not _gathering._eligible(SimpleNamespace(undecided=None), here)  # decided already
+    assert not _gathering._eligible(_offered(key="entered"), here)  # it waited already
+    assert not _gathering._eligible(_offered("groups:2"), here)  # K needs no step's shape
+    assert not _gathering._eligible(_offered("prompt"), here)
+    assert not _gathering._eligible(_offered(), ("unix", None, None))  # over a Unix socket
+    assert not _gathering._eligible(_offered(parent=None), here)  # a router that takes no parent
+    assert not _gathering._eligible(_offered(parent="none"), here)  # not a router
+    assert not _gathering._eligible(_offered(fails=True), here)  # the request's own planning reports it
+    joined = _siblings.join("g", Siblings.parse("groups:2"))
+    assert joined is not None
+    _siblings.leave(joined[1])  # a group ended: a step is known
+    assert _siblings.step_seen() and not _gathering._eligible(_offered(), here)
+    _siblings.forget_shape()
+
+
+def test_only_an_asyncio_task_gathers_asynchronously() -> None:
+    _siblings.forget_shape()
+    here = ("http", "127.0.0.1", 8000)
+    assert not _gathering.gathers(_offered(), here)  # no loop running: a thread's wait instead
+
+    async def inside() -> tuple[bool, bool]:
+        return _gathering.gathers(_offered(), here), _gathering.gathers(_offered("groups:2"), here)
+
+    assert asyncio.run(inside()) == (True, False)
+
+
+def test_a_lone_thread_attempt_waits_one_look_not_the_bound(dynamo: Recorder) -> None:
+    """No other attempt arrives and /health answers at once: one 50 ms look, not half a second."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    began = time.monotonic()
+    with otel_session.trajectory(group="g"):
+        httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert time.monotonic() - began < 0.4
+
+
+@pytest.mark.parametrize(("policy", "said"), [("fleet", 1), ("auto", 0)])
+def test_a_router_listing_no_workers_is_said_once_under_fleet_only(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, policy: str, said: int
+) -> None:
+    """The gathering's own read of /health tells what ``fleet`` tells (``auto`` pairs quietly)."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings=policy)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=2, siblings=2)
+    lines = [r for r in caplog.records if "cannot be sized to the fleet" in r.getMessage()]
+    assert len(lines) == said
+
+
+def test_a_fault_of_ours_in_a_threads_wait_is_one_line(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dynamo.instances = 4
+
+    def broken() -> int:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(_faults, "_reported", set())
+    monkeypatch.setattr(_siblings, "joined", broken)
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory(group="g"):
+        answer = httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert answer.status_code == 200 and dynamo.requests[0].get(SESSION_HEADER) is not None
+    (line,) = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert line.startswith("otel-session: gathering a first step's attempts failed (RuntimeError);")
+
+
+def test_a_later_group_of_a_step_that_gave_up_on_health_does_not_wait_again(dynamo: Recorder) -> None:
+    """/health hangs: the first group waits its half second and pairs; a group that starts later in
+    the same step pairs at once (it was: another half second per group)."""
+    dynamo.instances = 4
+    dynamo.health_delay = 3.0
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    took: dict[int, float] = {}
+
+    async def attempt(prompt: int, sibling: int, after: float) -> None:
+        await asyncio.sleep(after)
+        body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+        async with otel_session.trajectory(), httpx.AsyncClient() as http:
+            began = time.monotonic()
+            await http.post(f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=body, timeout=10)
+            took[prompt * 2 + sibling] = time.monotonic() - began
+            await asyncio.sleep(1.2 - after)  # every attempt open at once: one step
+
+    async def run() -> None:
+        await asyncio.gather(*(attempt(p, s, 0.7 * p) for p in range(2) for s in range(2)))
+
+    asyncio.run(run())
+    assert min(took[0], took[1]) >= 0.45 and max(took[2], took[3]) < 0.35, took
+
+
+def test_a_thread_at_a_router_listing_no_workers_says_nothing_under_auto(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory(group="g"):
+        httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
+    assert not [r for r in caplog.records if "cannot be sized" in r.getMessage()]
