@@ -168,3 +168,62 @@ def test_a_forked_child_starts_with_an_empty_table_and_fresh_locks() -> None:
         os.close(read_end)
         os.waitpid(pid, 0)
     assert said == "0 True" and open_groups() == 1
+
+
+# ---- a first step gathered: enter now, K chosen at the first placement (``_gathering``) -------------
+
+
+def test_entering_counts_each_attempt_once_and_keeps_its_place() -> None:
+    _siblings.forget_shape()
+    before = _siblings.joined()
+    entered = [_siblings.enter("g") for _ in range(3)]
+    assert _siblings.joined() == before + 3
+    assert [e[1] for e in entered if e is not None] == [0, 1, 2]
+    assert _siblings.open_groups() == 1
+
+
+def test_the_step_open_now_sizes_only_a_gathered_attempt() -> None:
+    """Before any step has ended, a group of two or more siblings open now is the shape a gathered
+    attempt sizes by; an attempt that did not gather keeps the default's K."""
+    _siblings.forget_shape()
+    _siblings.enter("lone")
+    assert _siblings.shape(True) is None  # one sibling open: nothing to size by
+    _siblings.enter(("p", 1))
+    _siblings.enter(("p", 1))
+    assert _siblings.shape() is None and _siblings.shape(True) == (2, 2)  # two groups, two at most
+    assert _siblings.fleet_size_of(4, withhold=False) == 2  # not gathered: the default's pairs
+    assert _siblings.fleet_size_of(8, withhold=False, gathered=True) == 1  # ceil(2 / (8 // 2))
+    assert _siblings.fleet_size_of(2, withhold=False, gathered=True) == 2  # ceil(2 / (2 // 2))
+    assert not _siblings.step_seen() and _siblings.last_shape() == (2, 2)
+
+
+def test_a_groups_k_is_chosen_by_its_first_placement_and_kept() -> None:
+    _siblings.forget_shape()
+    auto = Siblings.parse("auto")
+    tickets = [_siblings.enter("g") for _ in range(4)]
+    assert all(t is not None for t in tickets)
+    first = [_siblings.place(t[0], t[1], auto, 4, True) for t in tickets[:2] if t is not None]
+    assert first == [None, None]  # 1 group of 4 on 4 workers: each alone
+    later = [_siblings.place(t[0], t[1], auto, 1, True) for t in tickets[2:] if t is not None]
+    assert later == [None, None]  # the fleet read again as 1 worker: the group keeps its K
+    group_key = tickets[0][0] if tickets[0] is not None else None
+    assert group_key is not None and group_key.placed and group_key.sized and group_key.size == 1
+
+
+def test_a_ticket_given_joins_the_group_of_its_key() -> None:
+    """``trajectory(group=...)`` joins with the key hashed once (a GroupKey): the same group as the
+    key itself, never a group of its own."""
+    pairs = Siblings(2)
+    first = join(_siblings.key_of("g"), pairs)
+    second = join(_siblings.key_of("g"), pairs)
+    third = join("g", pairs)
+    assert first is not None and second is not None and third is not None
+    assert first[0] == second[0] != third[0] and open_groups() == 1
+
+
+def test_a_placement_after_its_group_was_forgotten_names_no_parent() -> None:
+    pairs = Siblings(2)
+    entered = _siblings.enter("g")
+    assert entered is not None
+    _siblings._groups.clear()  # as a forked child starts
+    assert _siblings.place(entered[0], entered[1], pairs, None) is None
