@@ -25,25 +25,27 @@ from tests.recorder import Recorder
 
 
 def _step(dynamo: Recorder, prompts: int, siblings: int, client: str = "httpx", named: bool = False) -> float:
-    """``prompts`` x ``siblings`` attempts started at once, one request each; seconds it took."""
+    """``prompts`` x ``siblings`` attempts started at once on one client, one request each; seconds
+    from the step's start to its last answer."""
 
-    async def attempt(prompt: int, sibling: int) -> None:
+    async def attempt(http: Any, prompt: int, sibling: int) -> None:
         body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
         url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
         async with otel_session.trajectory(group=f"g{prompt}" if named else None):
             if client == "httpx":
-                async with httpx.AsyncClient() as http:
-                    await http.post(url, json=body, timeout=10)
+                await http.post(url, json=body, timeout=10)
             else:
-                async with aiohttp.ClientSession() as http, http.post(url, json=body) as answer:
+                async with http.post(url, json=body) as answer:
                     await answer.read()
 
-    async def run() -> None:
-        await asyncio.gather(*(attempt(p, s) for p in range(prompts) for s in range(siblings)))
+    async def run() -> float:
+        opened = httpx.AsyncClient() if client == "httpx" else aiohttp.ClientSession()
+        async with opened as http:
+            began = time.monotonic()
+            await asyncio.gather(*(attempt(http, p, s) for p in range(prompts) for s in range(siblings)))
+            return time.monotonic() - began
 
-    began = time.monotonic()
-    asyncio.run(run())
-    return time.monotonic() - began
+    return asyncio.run(run())
 
 
 def _parents(dynamo: Recorder) -> dict[str, Counter[str | None]]:
@@ -139,7 +141,7 @@ def test_requests_threads_gather_too(dynamo: Recorder) -> None:
     session = requests.Session()  # one for the step's threads, as a rollout pool shares one
 
     def attempt(prompt: int, sibling: int) -> None:
-        body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
         with otel_session.trajectory():
             ready.wait(10)  # a step's threads reach their first request together
             session.post(f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=body, timeout=10)
@@ -231,7 +233,8 @@ def test_which_requests_wait_for_their_step() -> None:
     here = ("http", "127.0.0.1", 8000)
     assert _gathering._eligible(_offered(), here)
     assert _gathering._eligible(_offered("fleet"), ("http", "127.0.0.1", None))  # a default port
-    assert not _gathering._eligible(SimpleNamespace(undecided=None), here)  # decided already
+    decided: Any = SimpleNamespace(undecided=None)
+    assert not _gathering._eligible(decided, here)  # decided already
     assert not _gathering._eligible(_offered(key="entered"), here)  # it waited already
     assert not _gathering._eligible(_offered("groups:2"), here)  # K needs no step's shape
     assert not _gathering._eligible(_offered("prompt"), here)
