@@ -160,7 +160,7 @@ def fleet_size_of(workers: int | None, withhold: bool = True, gathered: bool = F
     return _fleet_size(workers, withhold, gathered)[0]
 
 
-def _fleet_size(workers: int | None, withhold: bool, gathered: bool = False) -> tuple[int | None, bool]:
+def _fleet_size(workers: int | None, withhold: bool, gathered: bool) -> tuple[int | None, bool]:
     """Siblings per parent for a fleet of ``workers``, one group per worker as ``otel-session doctor``
     sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once (``shape``);
     and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
