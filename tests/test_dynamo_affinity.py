@@ -29,7 +29,10 @@ WORKLOAD = Workload(prompts=3, siblings=3, turns=4, prompt_words=600, turn_words
 def test_every_concurrent_trajectory_stays_on_one_worker_and_siblings_spread(
     versioned_dynamo_stack: LocalDynamo,
 ) -> None:
-    otel_session.configure(dynamo_hosts=versioned_dynamo_stack.hosts)
+    # Each sibling under no parent (``attempt``): the default sizes a step's siblings one group per
+    # worker from its first step on (3 prompts of 3 on 4 workers: each prompt's 3 on one worker),
+    # which tests/test_fleet.py's quick run on a real fleet checks; here every session is placed alone.
+    otel_session.configure(dynamo_hosts=versioned_dynamo_stack.hosts, siblings="attempt")
     results = asyncio.run(
         run_batch(
             versioned_dynamo_stack.base_urls, versioned_dynamo_stack.model_name, WORKLOAD, concurrency=9
