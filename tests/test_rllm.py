@@ -80,7 +80,9 @@ def assert_rllm_ran(run: Run) -> None:
 def test_each_rollout_is_one_session_on_one_worker_and_each_task_one_parent(
     dynamo_stack: LocalDynamo,
 ) -> None:
-    run = run_driver(dynamo_stack)
+    # K fixed at 2 (each task's two rollouts): the default sizes it to the fleet from the first step,
+    # which on this stack's workers puts each rollout alone (tests/test_gathering.py)
+    run = run_driver(dynamo_stack, OTEL_SESSION_SIBLINGS="groups:2")
     assert_rllm_ran(run)
     sessions: dict[str | None, list[Forwarded]] = defaultdict(list)
     for request in run.requests:
