@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
@@ -375,7 +376,7 @@ def _sent_async(
     if request is not None:
         sent = _at_transport(instance, request, gathering)
         if gathering:
-            return _gathered(wrapped, instance, args, kwargs, gathering[0])
+            return _gathered(gathering[0], lambda: _sent_async(wrapped, instance, args, kwargs, None))
         args, kwargs = _with_request(args, kwargs, sent)
         if sent is not request:
             return _answer_of(wrapped(*args, **kwargs), sent)
@@ -383,15 +384,12 @@ def _sent_async(
 
 
 async def _gathered(
-    wrapped: Any,
-    instance: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination],
+    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination], send: Callable[[], Awaitable[Any]]
 ) -> Any:
-    """Wait for the step to gather, then plan and send the request as any other."""
+    """Wait for the step to gather, then plan and send the request as any other (``send``: the same
+    hook again, told not to gather)."""
     await _gathering.gather(*waiting)
-    return await _sent_async(wrapped, instance, args, kwargs, None)
+    return await send()
 
 
 def _answered(response: Any, sent: Any) -> None:
@@ -439,22 +437,12 @@ def _elsewhere_async(
     request = _request_of(args, kwargs)
     begun = _begin_elsewhere(request, gathering) if request is not None else None
     if gathering:
-        return _gathered_elsewhere(wrapped, args, kwargs, gathering[0])
+        return _gathered(gathering[0], lambda: _elsewhere_async(wrapped, args, kwargs, None))
     if begun is None:
         return wrapped(*args, **kwargs)
     sent, entry = begun
     sent_args, sent_kwargs = _with_request(args, kwargs, sent)
     return _in_flight_while(wrapped(*sent_args, **sent_kwargs), entry)
-
-
-async def _gathered_elsewhere(
-    wrapped: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    waiting: tuple[_hop.Offered, _gathering.Body, _hop.Destination],
-) -> Any:
-    await _gathering.gather(*waiting)
-    return await _elsewhere_async(wrapped, args, kwargs, None)
 
 
 async def _in_flight_while(sending: Any, entry: tuple[Any, _hop.Destination, Any]) -> Any:
