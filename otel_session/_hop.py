@@ -207,7 +207,7 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
     return Offer(session, parent, baggage.get_all(ctx), _passed_on(trace.get_current_span(ctx), tracing))
 
 
-_said: list[int | None] = []  # the last K said, so a line is printed again only when K changes
+_said: list[tuple[bool, int | None]] = []  # the last K said (and whether sized): said again when it changes
 
 
 def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
@@ -218,9 +218,21 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         return  # no group read (a streamed body): the attempt goes alone, as under any policy
     choice = "withheld" if holder.withheld else "sized" if ticket.sized else "default"
     _count_choice(choice, ticket.size)
-    if choice == "default" or (_said and _said[-1] == ticket.size):
+    if choice == "default" or (_said and _said[-1] == (ticket.sized, ticket.size)):
         return
-    _said[:] = [ticket.size]
+    _said[:] = [(ticket.sized, ticket.size)]
+    groups, siblings = _siblings.last_shape()
+    if choice == "withheld" and ticket.sized:
+        _faults.warn(
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session: %s %d "
+            "groups of siblings open at once for %d workers, so pinned groups would crowd some workers "
+            "while others idle (a GRPO step waits for its slowest trajectory); the router places them "
+            "as it would without otel-session",
+            "the last step had" if _siblings.step_seen() else "this step has",
+            groups,
+            workers or 0,
+        )
+        return
     if choice == "withheld":
         why = "its /health is still being read" if workers is None else "no step has ended here yet"
         _faults.warn(
@@ -230,7 +242,6 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
             why,
         )
         return
-    groups, siblings = _siblings.last_shape()
     parents = groups * -(-siblings // max(1, ticket.size or 1))  # groups of K, over the whole step
     _faults.warn(
         "otel-session: siblings sized to the fleet: %s (%d workers; %s %d groups of up to %d siblings "

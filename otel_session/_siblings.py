@@ -9,12 +9,13 @@ scale"). ``auto`` and ``fleet`` pick K at run time, one group per worker as ``ot
 sizes it, from the router's fleet size (``_fleet``) and the shape of the last step seen here (groups
 open at once, siblings per group), or before any step has ended, of the step gathering now
 (``_gathering``); until they have both ``auto`` pairs siblings and ``fleet`` withholds the
-session, so the router places those attempts as it would without otel-session. A group is named by
-the caller (``trajectory(group=...)``) or, where it names none, by the prompt of the attempt's first
-request to a router (``Inferred``, keyed by ``_prompts``). A group is known only while one of its
-attempts is open: nothing here outlives a step but its shape. (Over 300 lines: the policy, the
-group table, the step's shape and the undecided attempt are one rule, K for this attempt, read under
-one lock.)
+session, so the router places those attempts as it would without otel-session. ``fleet`` also
+withholds it from a step with more groups than workers, whose pinned groups crowd some workers.
+A group is named by the caller (``trajectory(group=...)``) or, where it names none, by the prompt
+of the attempt's first request to a router (``Inferred``, keyed by ``_prompts``). A group is known
+only while one of its attempts is open: nothing here outlives a step but its shape. (Over 300 lines:
+the policy, the group table, the step's shape and the undecided attempt are one rule, K for this
+attempt, read under one lock.)
 """
 
 from __future__ import annotations
@@ -165,14 +166,31 @@ def _fleet_size(workers: int | None, withhold: bool, gathered: bool) -> tuple[in
     sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once (``shape``);
     and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
     seen): ``None`` (withheld) if ``withhold``, else the default's K, as where the router lists no
-    workers (``UNREADABLE``)."""
+    workers (``UNREADABLE``). ``withhold`` (``fleet``) also withholds where more groups are open at
+    once than there are workers: every worker must then hold several groups, and the router's
+    placement of a burst of new sessions crowds some while others idle (``crowds``)."""
     if workers == UNREADABLE:
         return GROUPS_DEFAULT, False
     found = shape(gathered)
     if workers is None or found is None:
         return (None if withhold else GROUPS_DEFAULT), False
     groups, siblings = found
-    return max(1, math.ceil(siblings / max(1, workers // groups))), True
+    if withhold and crowds(workers, groups):
+        return None, True
+    return group_size(workers, groups, siblings), True
+
+
+def group_size(workers: int, groups: int, siblings: int) -> int:
+    """K for ``groups`` (at least 1) groups of ``siblings`` open at once on ``workers`` workers, one
+    group per worker: ``ceil(siblings / max(1, workers // groups))`` (all of a group's siblings where
+    groups are as many as the workers or more). ``otel-session doctor`` states the same rule."""
+    return max(1, math.ceil(siblings / max(1, workers // groups)))
+
+
+def crowds(workers: int, groups: int) -> bool:
+    """Whether a step of ``groups`` groups open at once must put several groups on some of
+    ``workers`` workers even with one parent per group: more groups than workers."""
+    return groups > workers
 
 
 def shape(gathered: bool = False) -> tuple[int, int] | None:
@@ -230,7 +248,6 @@ def _bad_key(key: object, done: str, exc: Exception) -> None:
             done,
             type(exc).__name__,
         )
-
 
 
 def join(

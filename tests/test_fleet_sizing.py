@@ -83,9 +83,10 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     note = siblings_note(32, 16, 8)
     assert "from the first step (its attempts wait a moment" in note and "cannot be read in time" in note
     assert "OTEL_SESSION_SIBLINGS=fleet" in idle
-    assert "kv routing alone measured a higher hit rate" in siblings_note(128, 64, 8)
     assert "pairs them (groups:2)" in siblings_note(None, 8, 16)
-    assert "higher hit rate" not in siblings_note(64, 8, 16) + siblings_note(256, 256, 1)
+    crowded = "OTEL_SESSION_SIBLINGS=fleet sends a step of more groups than workers without sessions"
+    assert crowded in siblings_note(8, 16, 4) and "16 prompts on 8 workers" in siblings_note(8, 16, 4)
+    assert crowded not in siblings_note(8, 8, 4) + siblings_note(8, 16, 1) + siblings_note(32, 16, 8)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
 
 

@@ -92,6 +92,7 @@ def test_fleet_is_spelled_and_shown() -> None:
         (32, 16, 8, 4),  # doctor's rule: one group per worker, ceil(8 / (32 // 16))
         (64, 8, 16, 2),  # ceil(16 / 8)
         (8, 16, 8, 8),  # more groups than workers: all siblings of a prompt under one parent
+        (16, 16, 4, 4),  # as many groups as workers: one each, pinned under fleet too
         (1024, 4, 8, 1),  # a worker for every sibling: each alone
         (33, 16, 8, 4),  # 33 // 16 = 2
         (32, 12, 5, 3),  # ceil(5 / (32 // 12 = 2))
@@ -109,7 +110,9 @@ def test_k_follows_doctors_rule_from_the_last_step(
         assert ticket is not None
         _siblings.leave(ticket[1])
     assert open_groups() == 0
-    assert _siblings.fleet_size_of(workers) == size
+    assert _siblings.fleet_size_of(workers, withhold=False) == size  # auto
+    # fleet: the same K, but a step with more groups than workers goes without sessions
+    assert _siblings.fleet_size_of(workers) == (None if prompts > workers else size)
     assert _siblings.fleet_size_of(None) is None  # the fleet's size not read yet: withheld
     assert _siblings.fleet_size_of(_siblings.UNREADABLE) == 2  # no /health: the default's K
     _siblings.forget_shape()
@@ -478,16 +481,55 @@ def test_fleet_withholds_sessions_where_pinning_crowded_workers_and_auto_never_d
 def test_more_prompts_than_workers_is_not_called_one_group_per_worker(
     dynamo: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """8 prompts of 2 on 4 workers: K is the whole group (2), 8 groups on 4 workers; the line says
-    so rather than "one group per worker" (found from outside); and a policy shows as its name."""
+    """8 prompts of 2 on 4 workers under the default: K is the whole group (2), 8 groups on 4
+    workers; the line says so rather than "one group per worker" (found from outside); and a policy
+    shows as its name."""
     dynamo.instances = 4
-    settings = otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
-    assert repr(settings.siblings) == "Siblings('fleet')"
+    settings = otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    assert repr(settings.siblings) == "Siblings('auto')"
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         _step(dynamo, prompts=8, siblings=2)  # gathered: sized by itself, said once
+        dynamo.clear()
         _step(dynamo, prompts=8, siblings=2)  # the same K: not said again
     (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
     assert "2 per parent session (4 workers;" in line and line.endswith("8 groups: some share a worker)")
+    assert None not in {parent for _, parent in _attempts(dynamo).values()}  # the header always sent
+
+
+def test_fleet_sends_a_step_of_more_groups_than_workers_without_sessions(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """More groups open at once than workers (8 prompts on 4 workers): pinned, some workers hold
+    several groups, and a burst of new sessions was placed unevenly (1.35-1.52x kv routing alone's
+    step, docs/performance.md). ``fleet`` sends such a step without sessions, says why once and
+    counts it; a step that fits the fleet is pinned again, one group per worker."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
+    before = support.metric_points()
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=8, siblings=2)  # gathered: the step itself has 8 groups
+        assert set(_attempts(dynamo).values()) == {(None, None)}
+        dynamo.clear()
+        _step(dynamo, prompts=8, siblings=2)  # sized by the step before: withheld again, not said again
+        assert set(_attempts(dynamo).values()) == {(None, None)}
+        dynamo.clear()
+        _step(dynamo, prompts=2, siblings=4)  # sized by the step before (8 groups): still withheld
+        dynamo.clear()
+        _step(dynamo, prompts=2, siblings=4)  # by a step of 2 groups on 4 workers: pinned, K = 2
+    lines = [r.getMessage() for r in caplog.records if "without their session:" in r.getMessage()]
+    assert lines == [
+        "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session: this step has "
+        "8 groups of siblings open at once for 4 workers, so pinned groups would crowd some workers "
+        "while others idle (a GRPO step waits for its slowest trajectory); the router places them as "
+        "it would without otel-session"
+    ]
+    attempts = _attempts(dynamo)
+    assert None not in {session for session, _ in attempts.values()}
+    assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2, 2, 2, 2]
+    withheld = support.metric_delta(
+        before, "otel_session.sibling_choices", otel_session__siblings__choice="withheld"
+    )
+    assert withheld == 16 + 16 + 8
 
 
 def test_a_group_size_is_ascii_digits_only() -> None:

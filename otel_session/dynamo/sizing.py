@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 
+from otel_session import _siblings
+
 #: Dynamo's session affinity table (1.3.0.post1 and 1.6.1).
 TABLE_SIZE = 65_536
 #: Plan for at most this share of the table: trajectory starts come in bursts (a GRPO step starts a
@@ -140,7 +142,7 @@ def sibling_group_size(workers: int, prompts: int, siblings: int) -> int:
     ``ceil(G / max(1, workers // prompts))``. More prompts than workers: a group per prompt."""
     if siblings <= 1 or prompts <= 0 or workers <= 0:
         return 1
-    return math.ceil(siblings / max(1, workers // prompts))
+    return _siblings.group_size(workers, prompts, siblings)
 
 
 def siblings_setting(workers: int, prompts: int, siblings: int) -> str:
@@ -153,9 +155,9 @@ def siblings_setting(workers: int, prompts: int, siblings: int) -> str:
 
 #: Siblings per parent where the default (``auto``) cannot size groups yet (``groups:2``).
 DEFAULT_GROUP = 2
-#: From this many workers a burst of trajectories measured better with kv routing alone when caches
-#: were tight (docs/performance.md, "At fleet scale").
-LARGE_FLEET = 128
+#: The default's step against kv routing alone's with more prompts than workers (8 workers, 16 x 4,
+#: tight caches; docs/performance.md, "The first step, gathered"): by how the burst was placed.
+CROWDED_STEPS = "0.72-1.52x"
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
     "key a GRPO step's siblings in groups sized so each worker gets about one group: "
@@ -183,10 +185,12 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         "OTEL_SESSION_SIBLINGS=fleet sends that step without sessions instead (kv routing alone's "
         f"step); OTEL_SESSION_SIBLINGS={setting} fixes K from the start"
     )
-    if workers >= LARGE_FLEET and siblings > 1:
+    if siblings > 1 and _siblings.crowds(workers, prompts):
         verdict += (
-            f"; at {LARGE_FLEET} workers and more, with KV caches that hold fewer contexts than a worker is "
-            "given, kv routing alone measured a higher hit rate than every session setting: compare both"
+            f"; {prompts} prompts on {workers} workers put several groups on each worker, and the "
+            "router placed such a burst of new sessions unevenly in half the steps measured "
+            f"({CROWDED_STEPS} kv routing alone's step): OTEL_SESSION_SIBLINGS=fleet sends a step of "
+            "more groups than workers without sessions (kv routing alone's step)"
         )
     return (
         f"{workers} workers, {prompts} prompts x {siblings} siblings: one group per worker is {setting} "
@@ -264,8 +268,7 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         f"({STEP_RR_ON} on one frontend)"
     )
     tail = (
-        " (pass --prompts, --siblings, --kv-tokens, --context-tokens and --prompt-tokens to have it "
-        "checked)"
+        " (pass --prompts, --siblings, --kv-tokens, --context-tokens and --prompt-tokens to have it checked)"
     )
     if holds is True:
         kv = f"with kv routing, {on}"
