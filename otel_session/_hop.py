@@ -225,12 +225,12 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     if choice == "withheld" and ticket.sized:
         _faults.warn(
             "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session: %s %d "
-            "groups of siblings open at once for %d workers, so pinned groups would crowd some workers "
+            "groups of siblings open at once for %s workers, so pinned groups would crowd some workers "
             "while others idle (a GRPO step waits for its slowest trajectory); the router places them "
             "as it would without otel-session",
-            "the last step had" if _siblings.step_seen() else "this step has",
+            "steps here have had up to" if _siblings.step_seen() else "this step has",
             groups,
-            workers or 0,
+            workers,  # known: a step is sized only where the router's size is
         )
         return
     if choice == "withheld":
@@ -248,7 +248,7 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         "open at once: %s)",
         "each alone under its own session" if ticket.size == 1 else f"{ticket.size} per parent session",
         workers or 0,
-        "the last step had" if _siblings.step_seen() else "this step has",
+        "steps here have had up to" if _siblings.step_seen() else "this step has",
         groups,
         siblings,
         f"{parents} groups: some share a worker" if workers and parents > workers else "one group per worker",

@@ -56,6 +56,26 @@ def _step(
     asyncio.run(run())
 
 
+def _held_step(dynamo: Recorder, prompts: int, siblings: int) -> None:
+    """``_step`` with every attempt held open until all have made their first request: all its
+    groups are open at once, as in a GRPO step on a real fleet (a loopback server answers so fast
+    that a plain step's attempts can end before others start)."""
+    together = asyncio.Barrier(prompts * siblings)
+
+    async def attempt(prompt: int, sibling: int) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": f"held task {prompt}"}]}
+        url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+        async with otel_session.trajectory(group=f"held-{prompt}"), httpx.AsyncClient() as http:
+            await http.post(url, json=body, timeout=10)
+            await together.wait()
+            await http.post(url, json=body, timeout=10)
+
+    async def run() -> None:
+        await asyncio.gather(*(attempt(p, s) for p in range(prompts) for s in range(siblings)))
+
+    asyncio.run(run())
+
+
 def _attempts(dynamo: Recorder) -> dict[tuple[str, str], tuple[str | None, str | None]]:
     """(prompt, sibling) -> (session, parent) its requests carried, the same on every turn."""
     carried: dict[tuple[str, str], set[tuple[str | None, str | None]]] = {}
@@ -492,7 +512,10 @@ def test_more_prompts_than_workers_is_not_called_one_group_per_worker(
         dynamo.clear()
         _step(dynamo, prompts=8, siblings=2)  # the same K: not said again
     (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
-    assert "2 per parent session (4 workers;" in line and line.endswith("8 groups: some share a worker)")
+    assert line == (
+        "otel-session: siblings sized to the fleet: 2 per parent session (4 workers; this step has 8 "
+        "groups of up to 2 siblings open at once: 8 groups: some share a worker)"
+    )
     assert None not in {parent for _, parent in _attempts(dynamo).values()}  # the header always sent
 
 
@@ -516,20 +539,27 @@ def test_fleet_sends_a_step_of_more_groups_than_workers_without_sessions(
         _step(dynamo, prompts=2, siblings=4)  # sized by the step before (8 groups): still withheld
         dynamo.clear()
         _step(dynamo, prompts=2, siblings=4)  # by a step of 2 groups on 4 workers: pinned, K = 2
+        attempts = _attempts(dynamo)
+        # by the step before (2 groups) until its 5th group opens: more than the workers, so that
+        # group on is withheld, said anew (the shape is the larger of the last step's and this one's)
+        _held_step(dynamo, prompts=8, siblings=2)
+        dynamo.clear()
+        _held_step(dynamo, prompts=8, siblings=2)  # by the step before (8 groups): all withheld
+        assert set(_attempts(dynamo).values()) == {(None, None)}
     lines = [r.getMessage() for r in caplog.records if "without their session:" in r.getMessage()]
-    assert lines == [
-        "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session: this step has "
-        "8 groups of siblings open at once for 4 workers, so pinned groups would crowd some workers "
-        "while others idle (a GRPO step waits for its slowest trajectory); the router places them as "
-        "it would without otel-session"
-    ]
-    attempts = _attempts(dynamo)
+    said = (
+        "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session: {} groups "
+        "of siblings open at once for 4 workers, so pinned groups would crowd some workers while "
+        "others idle (a GRPO step waits for its slowest trajectory); the router places them as it "
+        "would without otel-session"
+    )
+    assert lines == [said.format("this step has 8"), said.format("steps here have had up to 5")]
     assert None not in {session for session, _ in attempts.values()}
     assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2, 2, 2, 2]
     withheld = support.metric_delta(
         before, "otel_session.sibling_choices", otel_session__siblings__choice="withheld"
     )
-    assert withheld == 16 + 16 + 8
+    assert withheld == 16 + 16 + 8 + 8 + 16
 
 
 def test_a_group_size_is_ascii_digits_only() -> None:
