@@ -26,11 +26,13 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from otel_session.dynamo import NVEXT_EXTRA_BODY, LocalDynamo, worker_id_of
+from benchmarks import harness  # noqa: E402
+from otel_session.dynamo import NVEXT_EXTRA_BODY, worker_id_of  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # short words: a 500-word prompt is about 600 tokens, so 8 siblings fit a 256-block worker
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 WORDS += ["lambda", "mu", "nu", "xi", "pi", "rho", "sigma", "tau"]
@@ -76,28 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--siblings", type=int, default=4)
     parser.add_argument("--gaps", default="0,5,10", help="ms between one group's requests and the next's")
     parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=RESULTS / "placement.json")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS / "placement.json")
     args = parser.parse_args(argv)
     gaps = [float(g) for g in args.gaps.split(",")]
     rows = []
-    with LocalDynamo(
-        workers=args.workers,
-        workers_per_process=args.workers,
-        router_mode="kv",
-        affinity_ttl_secs=300,
-        worker_args=["--num-gpu-blocks-override", "256"],
-        speedup_ratio=0.2,
-        startup_timeout=120,
-    ) as stack:
-        url = stack.base_url.removesuffix("/v1")
+    # kv routing with hard affinity (300 s TTL), one frontend, 256 blocks of 16 tokens per worker
+    with harness.stack(harness.Deployment(), args.workers, blocks=256, speedup=0.2) as served:
+        url, model = served.base_url.removesuffix("/v1"), served.stack.model_name
         for gap in gaps:
             for number in range(args.trials):
                 seed = int(gap * 1000) + number
-                found = asyncio.run(trial(url, stack.model_name, args.groups, args.siblings, gap, seed))
+                found = asyncio.run(trial(url, model, args.groups, args.siblings, gap, seed))
                 rows.append({"gap_ms": gap, "trial": number, **found})
             even = args.groups / args.workers
             done = [r for r in rows if r["gap_ms"] == gap]
-            uneven = sum(r["groups_per_worker"][0] > even or r["split"] > 0 for r in done)
+            uneven = sum(max(r["groups_per_worker"], default=0) > even or r["split"] > 0 for r in done)
             print(
                 f"{args.workers} workers, {args.groups} groups x {args.siblings}, gap {gap:g} ms: "
                 f"uneven in {uneven} of {len(done)} bursts; groups per worker "
