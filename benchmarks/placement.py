@@ -71,16 +71,40 @@ async def trial(url: str, model: str, groups: int, siblings: int, gap_ms: float,
     }
 
 
+def _positive(text: str) -> int:
+    """A count of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of 1 or more")
+    return value
+
+
+def _gaps(text: str) -> list[float]:
+    """``--gaps``: comma-separated milliseconds, each 0 or more."""
+    try:
+        gaps = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected milliseconds such as 0,5,10") from None
+    if not all(0 <= gap < float("inf") for gap in gaps):
+        raise argparse.ArgumentTypeError(f"{text!r}: each gap is 0 ms or more")
+    return gaps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--siblings", type=int, default=4)
-    parser.add_argument("--gaps", default="0,5,10", help="ms between one group's requests and the next's")
-    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--workers", type=_positive, default=8)
+    parser.add_argument("--groups", type=_positive, default=16)
+    parser.add_argument("--siblings", type=_positive, default=4)
+    parser.add_argument(
+        "--gaps", type=_gaps, default="0,5,10", help="ms between one group's requests and the next's"
+    )
+    parser.add_argument("--trials", type=_positive, default=8)
     parser.add_argument("--out", type=Path, default=harness.RESULTS / "placement.json")
     args = parser.parse_args(argv)
-    gaps = [float(g) for g in args.gaps.split(",")]
+    gaps: list[float] = args.gaps
     rows = []
     # kv routing with hard affinity (300 s TTL), one frontend, 256 blocks of 16 tokens per worker
     with harness.stack(harness.Deployment(), args.workers, blocks=256, speedup=0.2) as served:
