@@ -22,6 +22,7 @@ from otel_session import (
     _faults,
     _fleet,
     _gathering,
+    _pacing,
     _registry,
     _settings,
     _siblings,
@@ -153,6 +154,7 @@ def unconfigure() -> None:
         _fleet.forget()  # the fleet sizes read and the step shape seen (``fleet``): the next
         _siblings.forget_shape()  # configuration may name other routers and run other steps
         _gathering.forget()
+        _pacing.forget()  # every router's turn for new parents
         _tracing.apply(False)
         _threads.apply(False)
         for name in _registry.instrumentors():

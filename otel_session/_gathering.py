@@ -1,4 +1,5 @@
-"""A process's first step, gathered before its sibling groups are sized.
+"""An attempt's first request to a router waits here: in a process's first step for the step to
+gather before its sibling groups are sized, and in every step for its parent's turn at the router.
 
 ``auto`` (the default) and ``fleet`` size sibling groups to the fleet from the shape of a step: how
 many groups are open at once and how many siblings each has. Before any step has ended the only
@@ -9,9 +10,11 @@ waits: on an event loop it yields to the loop, so the step's other attempts reac
 themselves too; in a thread it sleeps, while the other threads do the same. The router's fleet size
 (``_fleet``) is read meanwhile. The wait ends once a look ``SETTLE`` seconds after the last
 (``SETTLE_THREADS`` in a thread) finds no new attempt and the size known, or after ``WAIT``
-seconds; then K is chosen from the step open now.
-Only the first step waits (until a group has ended), never a thread that runs an event loop (a
-blocking client called from async code), and a request that waits here only ever waits, never fails.
+seconds; then K is chosen from the step open now. Only the first step gathers (until a group has
+ended). Then the attempt is decided, and waits for its parent's turn at the router (``_pacing``), so
+the router places each new parent on a load that counts the last.
+Never on a thread that runs an event loop (a blocking client called from async code), and a request
+that waits here only ever waits, never fails.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from otel_session import _faults, _fleet, _hop, _prompts, _siblings, _waiting
+from otel_session import _faults, _fleet, _hop, _pacing, _prompts, _siblings, _waiting
 
 Body = bytes | bytearray | memoryview | str | None  # a request's body, where it is held in memory
 
@@ -28,13 +31,30 @@ SETTLE = 0.005  # seconds between looks: a step's attempts arriving over the net
 SETTLE_THREADS = 0.05  # ... between a thread's looks: threads reach their requests tens of ms apart
 
 
-def _eligible(offered: _hop.Offered, destination: _hop.Destination) -> bool:
-    """An attempt's first request to a router that takes a parent, under a sized policy, before any
-    step has ended, not gathered yet."""
-    holder = offered.undecided
-    if holder is None or holder.key is not None or not holder.policy.sized:
+def may_wait(offered: _hop.Offered) -> bool:
+    """Whether a request offered ``offered`` may wait here (what the hooks ask first, cheaply): its
+    attempt's group is still to decide, or it names a parent whose turn has not come."""
+    if offered.undecided is not None:
+        return True
+    if not offered.due:
         return False
-    if _siblings.step_seen() or not destination[1]:
+    parent = offered.offer.parent
+    if parent is not None and _pacing.waits(parent):
+        return True
+    offered.due = False  # its turn has come: no later request offered this asks again
+    return False
+
+
+def _eligible(offered: _hop.Offered, destination: _hop.Destination) -> bool:
+    """A request to a router that takes a parent: an attempt's first, under a policy that names
+    parents, not decided nor waiting yet; or one under a parent whose turn has not come."""
+    holder = offered.undecided
+    if holder is not None:
+        if holder.decided or holder.key is not None or holder.policy.size is None:
+            return False
+    elif not may_wait(offered):
+        return False
+    if not destination[1]:
         return False
     try:
         profile = offered.plan(*destination).route.profile
@@ -54,32 +74,42 @@ def gathers(offered: _hop.Offered, destination: _hop.Destination) -> bool:
 
 
 async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> None:
-    """Count the attempt in its group (its prompt's, or its ``group=``), then wait for its step's
-    other attempts and the router's fleet size; the request is decided and sent after."""
+    """In a first step, count the attempt in its group (its prompt's, or its ``group=``) and wait for
+    its step's other attempts and the router's fleet size; then decide it and wait for its parent's
+    turn at the router. The request is planned and sent after."""
     try:
         look = _entered(offered, body, destination)
-        if look is None:
-            return
-        await asyncio.sleep(0)  # the step's other attempts, started with this one, reach their first request
-        while look.again():
-            await asyncio.sleep(SETTLE)
+        if look is not None:
+            await asyncio.sleep(0)  # the step's other attempts, started with this one, reach theirs
+            while look.again():
+                await asyncio.sleep(SETTLE)
+        turn = _turn(offered, body, destination)[1]
+        if turn > 0:
+            await asyncio.sleep(turn)
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
-        _faults.report("gathering a first step's attempts", exc)
+        _faults.report("waiting for a first step or a parent's turn", exc)
 
 
-def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> None:
+def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> _hop.Offered:
     """``gather`` for a blocking client: the thread sleeps while the step's other threads count their
-    attempts. Never where this thread runs an event loop (it would hold every other task)."""
+    attempts, and for its parent's turn; what the context offers from then on (decided here, where
+    it was). Never sleeps where this thread runs an event loop (it would hold every other task): a
+    first step is not gathered there, and a turn is not waited for."""
     try:
-        if not _eligible(offered, destination) or _waiting.loop_running():
-            return
-        look = _entered(offered, body, destination)
-        if look is None:
-            return
-        while look.again():
-            time.sleep(SETTLE_THREADS)
+        if not _eligible(offered, destination):
+            return offered
+        if _gathers_first(offered):
+            if _waiting.loop_running():
+                return offered
+            look = _entered(offered, body, destination)
+            while look is not None and look.again():
+                time.sleep(SETTLE_THREADS)
+        offered, turn = _turn(offered, body, destination)
+        if turn > 0 and not _waiting.loop_running():
+            time.sleep(turn)
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
-        _faults.report("gathering a first step's attempts", exc)
+        _faults.report("waiting for a first step or a parent's turn", exc)
+    return offered
 
 
 class _Look:
@@ -118,14 +148,34 @@ def forget() -> None:
     _gave_up.clear()
 
 
-def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> _Look | None:
-    """The attempt counted in its group; ``None`` where it has none (a body with no prompt, a key
-    that cannot be hashed): nothing to size, nothing to wait for."""
+def _gathers_first(offered: _hop.Offered) -> bool:
+    """Whether the attempt's first step is still to gather: undecided, under a sized policy, no
+    step ended here yet."""
     holder = offered.undecided
-    if holder is None:
+    return holder is not None and holder.policy.sized and not _siblings.step_seen()
+
+
+def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> _Look | None:
+    """In a first step still to gather, the attempt counted in its group; ``None`` elsewhere or
+    where it has none (a body with no prompt, a key that cannot be hashed): nothing to size,
+    nothing to wait for."""
+    holder = offered.undecided
+    if holder is None or not _gathers_first(offered):
         return None
     holder.enter(_prompts.key_of(body))
     if holder.key is None:
         return None
     scheme, host, port = destination
     return _Look((scheme, host or "", port))
+
+
+def _turn(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> tuple[_hop.Offered, float]:
+    """The attempt decided (what the context offers from now on) and the seconds its request waits
+    for its parent's turn at the router (``_pacing``), 0 where it names no parent."""
+    if offered.undecided is not None:
+        offered = offered.decide(body, destination)
+    parent = offered.offer.parent
+    if parent is None or not offered.offer.pinned:
+        return offered, 0.0
+    scheme, host, port = destination
+    return offered, _pacing.delay((scheme, host or "", port), parent)

@@ -105,7 +105,7 @@ class Plan:
 class Offered:
     """What one context offers a request under one configuration, and the plans made from it."""
 
-    __slots__ = ("_plans", "context", "offer", "offers", "settings", "undecided", "watched")
+    __slots__ = ("_plans", "context", "due", "offer", "offers", "settings", "undecided", "watched")
 
     def __init__(self, settings: _settings.Settings, context: Context, offer: Offer) -> None:
         if unpinned and offer.session in unpinned:
@@ -118,6 +118,8 @@ class Offered:
         # tracing is on or a span is current: an upstream instrumentation may inject later in the hop
         self.watched = settings.tracing or offer.traceparent is not None
         self.offers = offer.session is not None or bool(offer.baggage) or self.watched
+        # a parent named whose turn at the router may still be to come (``_gathering``, ``_pacing``)
+        self.due = offer.parent is not None and offer.pinned
         self._plans: dict[Destination, Plan] = {}
 
     def plan(self, scheme: str, host: str | None, port: int | None) -> Plan:
@@ -147,6 +149,8 @@ class Offered:
         holder = self.undecided
         if holder is None:
             return self
+        if holder.decided:  # decided already, where the request waited for its turn (``_gathering``)
+            return self.decided(holder.decide(None), holder.withheld)
         workers = None
         if holder.policy.sized:  # K from the router's fleet size: a router given no parent needs none
             profile = self.plan(*destination).route.profile
@@ -221,18 +225,6 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     if choice == "default" or (_said and _said[-1] == (ticket.sized, ticket.size)):
         return
     _said[:] = [(ticket.sized, ticket.size)]
-    groups, siblings = _siblings.last_shape()
-    if choice == "withheld" and ticket.sized:
-        _faults.warn(
-            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends attempts without their session: %s %d "
-            "groups of siblings open at once for %s workers, so pinned groups would crowd some workers "
-            "while others idle (a GRPO step waits for its slowest trajectory); the router places them "
-            "as it would without otel-session",
-            "steps here have had up to" if _siblings.step_seen() else "this step has",
-            groups,
-            workers,  # known: a step is sized only where the router's size is
-        )
-        return
     if choice == "withheld":
         why = "its /health is still being read" if workers is None else "no step has ended here yet"
         _faults.warn(
@@ -242,6 +234,7 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
             why,
         )
         return
+    groups, siblings = _siblings.last_shape()
     parents = groups * -(-siblings // max(1, ticket.size or 1))  # groups of K, over the whole step
     _faults.warn(
         "otel-session: siblings sized to the fleet: %s (%d workers; %s %d groups of up to %d siblings "

@@ -9,8 +9,7 @@ scale"). ``auto`` and ``fleet`` pick K at run time, one group per worker as ``ot
 sizes it, from the router's fleet size (``_fleet``) and the shape of the last step seen here (groups
 open at once, siblings per group), or before any step has ended, of the step gathering now
 (``_gathering``); until they have both ``auto`` pairs siblings and ``fleet`` withholds the
-session, so the router places those attempts as it would without otel-session. ``fleet`` also
-withholds it from a step with more groups than workers, whose pinned groups crowd some workers.
+session, so the router places those attempts as it would without otel-session.
 A group is named by the caller (``trajectory(group=...)``) or, where it names none, by the prompt
 of the attempt's first request to a router (``Inferred``, keyed by ``_prompts``). A group is known
 only while one of its attempts is open: nothing here outlives a step but its shape. (Over 300 lines:
@@ -27,7 +26,7 @@ import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from otel_session import _faults
+from otel_session import _faults, _pacing
 from otel_session._ids import new_session_id
 
 ENV_SIBLINGS = "OTEL_SESSION_SIBLINGS"
@@ -166,17 +165,13 @@ def _fleet_size(workers: int | None, withhold: bool, gathered: bool) -> tuple[in
     sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once (``shape``);
     and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
     seen): ``None`` (withheld) if ``withhold``, else the default's K, as where the router lists no
-    workers (``UNREADABLE``). ``withhold`` (``fleet``) also withholds where more groups are open at
-    once than there are workers: every worker must then hold several groups, and the router's
-    placement of a burst of new sessions crowds some while others idle (``crowds``)."""
+    workers (``UNREADABLE``)."""
     if workers == UNREADABLE:
         return GROUPS_DEFAULT, False
     found = shape(gathered)
     if workers is None or found is None:
         return (None if withhold else GROUPS_DEFAULT), False
     groups, siblings = found
-    if withhold and crowds(workers, groups):
-        return None, True
     return group_size(workers, groups, siblings), True
 
 
@@ -185,12 +180,6 @@ def group_size(workers: int, groups: int, siblings: int) -> int:
     group per worker: ``ceil(siblings / max(1, workers // groups))`` (all of a group's siblings where
     groups are as many as the workers or more). ``otel-session doctor`` states the same rule."""
     return max(1, math.ceil(siblings / max(1, workers // groups)))
-
-
-def crowds(workers: int, groups: int) -> bool:
-    """Whether a step of ``groups`` groups open at once must put several groups on some of
-    ``workers`` workers even with one parent per group: more groups than workers."""
-    return groups > workers
 
 
 def shape(gathered: bool = False) -> tuple[int, int] | None:
@@ -325,6 +314,7 @@ def leave(ticket: GroupKey) -> None:
             if group.open <= 0:
                 del _groups[ticket]
                 _shape.ended(group.started, len(_groups))
+                _pacing.release(group.parents)  # their turns at the router are over
 
 
 class Inferred:

@@ -48,7 +48,7 @@ _SIBLINGS_TESTS = (
 )
 # One hop's rules, in-process (the files that send through the client hooks start loopback servers: a
 # surviving mutant of _hop cost minutes there, and a whole run against them never finished).
-_HOP_TESTS = ("tests/test_hop_rules.py", "tests/test_siblings_fleet.py")
+_HOP_TESTS = ("tests/test_hop_rules.py", "tests/test_siblings_fleet.py", "tests/test_pacing.py")
 _EVIDENCE_TESTS = (
     "tests/test_evidence_rules.py",
     "tests/test_verdicts_rules.py",
@@ -79,7 +79,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_propagator": _RULES_TESTS,
     "_ids": _RULES_TESTS,
     "_siblings": (*_SIBLINGS_TESTS, "tests/test_gathering.py"),
-    "_gathering": ("tests/test_gathering.py", "tests/test_siblings.py", "tests/test_siblings_fleet.py"),
+    "_gathering": (
+        "tests/test_gathering.py",
+        "tests/test_pacing.py",
+        "tests/test_siblings.py",
+        "tests/test_siblings_fleet.py",
+    ),
+    "_pacing": ("tests/test_pacing.py",),
     "_prompts": _SIBLINGS_TESTS,
     "_group_keys": ("tests/test_group_keys.py", "tests/test_boundaries_groups.py"),
     "_fleet": ("tests/test_fleet_size.py", "tests/test_siblings_fleet.py"),
@@ -99,9 +105,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "_metrics": _EVIDENCE_TESTS,
     "_crowding": _EVIDENCE_TESTS,
     "instrumentation._base": _BASE_TESTS,
-    "instrumentation.httpx": (*_HTTPX_TESTS, "tests/test_gathering.py"),
-    "instrumentation.aiohttp_client": (*_AIOHTTP_TESTS, "tests/test_gathering.py"),
-    "instrumentation.urllib3_client": _URLLIB3_TESTS,
+    "instrumentation.httpx": (*_HTTPX_TESTS, "tests/test_gathering.py", "tests/test_pacing.py"),
+    "instrumentation.aiohttp_client": (*_AIOHTTP_TESTS, "tests/test_gathering.py", "tests/test_pacing.py"),
+    "instrumentation.urllib3_client": (*_URLLIB3_TESTS, "tests/test_pacing.py"),
 }
 SEED = 20261205
 COPIED = ("otel_session", "tests", "benchmarks", "pyproject.toml", "setup.py")

@@ -29,6 +29,7 @@ class Seen:
     method: str
     path: str
     headers: list[tuple[str, str]]
+    at: float = field(default_factory=time.monotonic)  # when it arrived (``time.monotonic``)
 
     def get(self, name: str) -> str | None:
         for key, value in self.headers:

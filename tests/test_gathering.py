@@ -20,6 +20,7 @@ import pytest
 
 import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults, _gathering, _siblings
+from otel_session._policy import Offer
 from otel_session._siblings import Siblings
 from tests.recorder import Recorder
 
@@ -92,16 +93,18 @@ def test_under_fleet_a_slow_health_withholds_the_first_step(dynamo: Recorder) ->
     assert {seen.get(SESSION_HEADER) for seen in dynamo.requests} == {None}
 
 
-def test_after_a_step_has_ended_nothing_waits(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
-    dynamo.instances = 4
+def test_after_a_step_has_ended_nothing_gathers(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next step's attempts wait only for their parent's turn (``_pacing``), not for a look."""
+    dynamo.instances = 1  # one worker: the two siblings under one parent
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
     _step(dynamo, prompts=1, siblings=2)
     assert _siblings.step_seen()
-    waited: list[object] = []
-    monkeypatch.setattr(_gathering, "gather", lambda *args: waited.append(args))
+    looked: list[object] = []
+    monkeypatch.setattr(_gathering._Look, "again", lambda self: looked.append(self) or False)
     dynamo.clear()
     _step(dynamo, prompts=1, siblings=2)
-    assert waited == [] and len(dynamo.requests) == 2
+    assert looked == [] and len(dynamo.requests) == 2
+    assert len({seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests} - {None}) == 1
 
 
 def test_a_thread_waits_for_a_slow_health_half_a_second_at_most(dynamo: Recorder) -> None:
@@ -180,10 +183,8 @@ def test_a_fault_of_ours_while_gathering_never_fails_the_request(
         _step(dynamo, prompts=1, siblings=2)
     assert len(dynamo.requests) == 2
     assert None not in {seen.get(SESSION_HEADER) for seen in dynamo.requests}
-    assert any(
-        r.getMessage().startswith("otel-session: gathering a first step's attempts failed (RuntimeError);")
-        for r in caplog.records
-    )
+    said = "otel-session: waiting for a first step or a parent's turn failed (RuntimeError);"
+    assert any(r.getMessage().startswith(said) for r in caplog.records)
 
 
 def test_an_attempt_cancelled_while_it_gathers_leaves_its_group(dynamo: Recorder) -> None:
@@ -214,10 +215,11 @@ def _offered(
     key: object = None,
     parent: str | None = "X-Dynamo-Parent-Session-ID",
     fails: bool = False,
+    decided: bool = False,
 ) -> Any:
     """What ``_hop.current()`` offers, as far as ``_gathering`` reads it: the undecided attempt and
     the route to a destination (a stand-in: these rules read nothing else of it)."""
-    holder = SimpleNamespace(key=key, policy=Siblings.parse(policy))
+    holder = SimpleNamespace(key=key, policy=Siblings.parse(policy), decided=decided)
     profile = None if parent == "none" else SimpleNamespace(parent_header=parent)
 
     def plan(*destination: object) -> Any:
@@ -225,7 +227,7 @@ def _offered(
             raise RuntimeError("a bug of ours")
         return SimpleNamespace(route=SimpleNamespace(profile=profile))
 
-    return SimpleNamespace(undecided=holder, plan=plan)
+    return SimpleNamespace(undecided=holder, plan=plan, offer=Offer("s"))
 
 
 def test_which_requests_wait_for_their_step() -> None:
@@ -233,20 +235,24 @@ def test_which_requests_wait_for_their_step() -> None:
     here = ("http", "127.0.0.1", 8000)
     assert _gathering._eligible(_offered(), here)
     assert _gathering._eligible(_offered("fleet"), ("http", "127.0.0.1", None))  # a default port
-    decided: Any = SimpleNamespace(undecided=None)
-    assert not _gathering._eligible(decided, here)  # decided already
-    assert not _gathering._eligible(_offered(key="entered"), here)  # it waited already
-    assert not _gathering._eligible(_offered("groups:2"), here)  # K needs no step's shape
-    assert not _gathering._eligible(_offered("prompt"), here)
+    decided: Any = SimpleNamespace(undecided=None, offer=Offer("s"), due=False)
+    assert not _gathering._eligible(decided, here)  # decided already, alone
+    assert not _gathering._eligible(_offered(key="entered"), here)  # it waits already
+    assert not _gathering._eligible(_offered(decided=True), here)  # it waited already
+    assert _gathering._eligible(_offered("groups:2"), here)  # no gathering, but its parent's turn
+    assert _gathering._eligible(_offered("prompt"), here)
+    assert not _gathering._eligible(_offered("attempt"), here)  # no parent: nothing to wait for
     assert not _gathering._eligible(_offered(), ("unix", None, None))  # over a Unix socket
     assert not _gathering._eligible(_offered(parent=None), here)  # a router that takes no parent
     assert not _gathering._eligible(_offered(parent="none"), here)  # not a router
     assert not _gathering._eligible(_offered(fails=True), here)  # the request's own planning reports it
     joined = _siblings.join("g", Siblings.parse("groups:2"))
     assert joined is not None
-    _siblings.leave(joined[1])  # a group ended: a step is known
-    assert _siblings.step_seen() and not _gathering._eligible(_offered(), here)
+    _siblings.leave(joined[1])  # a group ended: a step is known, and no step gathers from now on
+    assert _siblings.step_seen() and _gathering._eligible(_offered(), here)
+    assert _gathering._entered(_offered(), b'{"messages": []}', here) is None
     _siblings.forget_shape()
+    assert _gathering._entered(_offered("groups:2"), b'{"messages": []}', here) is None  # K is fixed
 
 
 def test_only_an_asyncio_task_gathers_asynchronously() -> None:
@@ -255,7 +261,7 @@ def test_only_an_asyncio_task_gathers_asynchronously() -> None:
     assert not _gathering.gathers(_offered(), here)  # no loop running: a thread's wait instead
 
     async def inside() -> tuple[bool, bool]:
-        return _gathering.gathers(_offered(), here), _gathering.gathers(_offered("groups:2"), here)
+        return _gathering.gathers(_offered(), here), _gathering.gathers(_offered("attempt"), here)
 
     assert asyncio.run(inside()) == (True, False)
 
@@ -297,7 +303,7 @@ def test_a_fault_of_ours_in_a_threads_wait_is_one_line(
         answer = httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
     assert answer.status_code == 200 and dynamo.requests[0].get(SESSION_HEADER) is not None
     (line,) = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
-    assert line.startswith("otel-session: gathering a first step's attempts failed (RuntimeError);")
+    assert line.startswith("otel-session: waiting for a first step or a parent's turn failed (RuntimeError);")
 
 
 def test_a_later_group_of_a_step_that_gave_up_on_health_does_not_wait_again(dynamo: Recorder) -> None:
@@ -331,3 +337,13 @@ def test_a_thread_at_a_router_listing_no_workers_says_nothing_under_auto(
     with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory(group="g"):
         httpx.post(f"{dynamo.url}/p0/s0/v1/chat/completions", json={"messages": []}, timeout=10)
     assert not [r for r in caplog.records if "cannot be sized" in r.getMessage()]
+
+
+def test_a_look_past_its_bound_ends_with_attempts_still_arriving() -> None:
+    """Half a second is the bound whatever arrives: a look after it ends the wait, and so does the
+    next one (had it looked again, attempts joining meanwhile would keep it looking)."""
+    look = _gathering._Look(("http", "127.0.0.1", 9))
+    look.end = time.monotonic() - 1
+    look.seen = _siblings.joined() - 1  # an attempt arrived since the last look
+    assert not look.again()
+    assert not look.again()

@@ -105,7 +105,7 @@ def _to_gather(
     for its step; ``None`` for every other (a fault here is the request's own planning's to report)."""
     try:
         offered = _hop.current()
-        if offered is None or offered.undecided is None:
+        if offered is None or not _gathering.may_wait(offered):
             return None
         url = args[1] if len(args) > 1 else kwargs.get("str_or_url")
         url = session._build_url(url)  # the session's base_url joined, as aiohttp itself does

@@ -225,9 +225,10 @@ def _at_transport(transport: Any, request: Any, gathering: _Gathering | None = N
                 _metrics.outside(*_destination(request.url))
             return request  # nothing to add from this context
         destination = _where(transport, request)
-        if offered.undecided is not None:  # an attempt's first request: its group is still to read
+        if _gathering.may_wait(offered):  # an attempt's first request (its group still to read), or
+            # one under a parent whose turn at the router has not come (``_pacing``)
             if gathering is None:
-                _gathering.gather_here(offered, _body_of(request), destination)
+                offered = _gathering.gather_here(offered, _body_of(request), destination)
             elif _gathering.gathers(offered, destination):
                 gathering.append((offered, _body_of(request), destination))
                 return request
@@ -311,9 +312,9 @@ def _begin_elsewhere(
         if offered is None:
             return None
         destination = _destination(request.url)
-        if offered.undecided is not None:
+        if _gathering.may_wait(offered):
             if gathering is None:
-                _gathering.gather_here(offered, _body_of(request), destination)  # not on an event loop
+                offered = _gathering.gather_here(offered, _body_of(request), destination)  # off a loop
             elif _gathering.gathers(offered, destination):
                 gathering.append((offered, _body_of(request), destination))
                 return None

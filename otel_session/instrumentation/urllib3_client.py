@@ -150,10 +150,11 @@ def _planned(
     callers = _callers_again(pool, headers)
     destination = _destination(pool, url)
     plan = offered.plan(*destination)
-    if offered.undecided is not None and plan.route.profile is not None:  # its group still to read
+    if _gathering.may_wait(offered) and plan.route.profile is not None:  # its group still to read, or
+        # its parent's turn at the router still to come (``_pacing``)
         body = args[_BODY] if len(args) > _BODY else kwargs.get("body")  # requests' json= is bytes here
         prompt = body if isinstance(body, (bytes, bytearray, str)) else None
-        _gathering.gather_here(offered, prompt, destination)  # a first step's threads (``_gathering``)
+        offered = _gathering.gather_here(offered, prompt, destination)  # a first step's threads
         offered = offered.decide(prompt, destination)
         plan = offered.plan(*destination)
     base = callers if callers is not None else pool.headers

@@ -1,0 +1,415 @@
+"""New parents paced apart at each router (``_pacing``, issue 33): a step's attempts started at once
+reach a router that takes a parent one new parent per ``PACE``, every sibling at its parent's turn,
+the step spread over ``SPREAD`` at most, in every step and never failing a request. Over loopback
+to a recording server playing a Dynamo frontend, through httpx (async and in threads), aiohttp and
+requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+
+import otel_session
+from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults, _gathering, _hop, _pacing, _siblings
+from otel_session._hosts import canonical_origin
+from tests.recorder import Recorder
+
+
+def _body(prompt: int) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+
+
+def _step(dynamo: Recorder, prompts: int, siblings: int, client: str = "httpx", named: bool = False) -> None:
+    """``prompts`` x ``siblings`` attempts started at once, one request each (``named``: each
+    attempt in ``trajectory(group=...)``)."""
+    if client == "requests":
+        _threads_step(dynamo, prompts, siblings)
+        return
+
+    async def attempt(http: Any, prompt: int, sibling: int) -> None:
+        url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+        async with otel_session.trajectory(group=f"g{prompt}" if named else None):
+            if client == "httpx":
+                await http.post(url, json=_body(prompt), timeout=10)
+            else:
+                async with http.post(url, json=_body(prompt)) as answer:
+                    await answer.read()
+
+    async def run() -> None:
+        opened = httpx.AsyncClient() if client == "httpx" else aiohttp.ClientSession()
+        async with opened as http:
+            await asyncio.gather(*(attempt(http, p, s) for p in range(prompts) for s in range(siblings)))
+
+    asyncio.run(run())
+
+
+def _threads_step(dynamo: Recorder, prompts: int, siblings: int) -> None:
+    import requests
+
+    ready = threading.Barrier(prompts * siblings)
+    session = requests.Session()
+
+    def attempt(prompt: int, sibling: int) -> None:
+        with otel_session.trajectory():
+            ready.wait(10)  # a step's threads reach their first request together
+            url = f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions"
+            session.post(url, json=_body(prompt), timeout=10)
+            ready.wait(10)
+
+    threads = [threading.Thread(target=attempt, args=(p, s)) for p in range(prompts) for s in range(siblings)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    session.close()
+
+
+def _first_arrivals(dynamo: Recorder) -> list[float]:
+    """When each parent's first request arrived, in order (every request carried a session and a parent)."""
+    first: dict[str, float] = {}
+    for seen in dynamo.requests:
+        parent = seen.get(PARENT_SESSION_HEADER)
+        assert seen.get(SESSION_HEADER) is not None and parent is not None, seen.path
+        first[parent] = min(first.get(parent, seen.at), seen.at)
+    return sorted(first.values())
+
+
+@pytest.mark.parametrize("client", ["httpx", "aiohttp", "requests"])
+def test_a_steps_new_parents_reach_the_router_paced_apart(dynamo: Recorder, client: str) -> None:
+    """4 prompts x 4 siblings under groups:2: 8 parents, the first requests under each one ``PACE``
+    (10 ms) after the last's; unpaced they all arrive within a few ms."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    _step(dynamo, prompts=4, siblings=4, client=client)
+    assert len(dynamo.requests) == 16
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 8
+    _assert_paced(arrivals)
+    assert arrivals[-1] - arrivals[0] < 0.5
+
+
+def _assert_paced(arrivals: list[float]) -> None:
+    """Turns ``PACE`` apart, as they reach the server: the parents spread over most of their turns.
+    A request's connection is opened after its wait and a thread wakes when the interpreter lets it,
+    so single gaps scatter by several ms (more under a tracer); unpaced, all of them arrive within a
+    few ms."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
+    assert arrivals[-1] - arrivals[0] >= 0.4 * 0.01 * len(gaps), sorted(gaps)  # PACE: 10 ms
+
+
+def test_siblings_go_at_their_parents_turn_not_before(dynamo: Recorder) -> None:
+    """4 prompts x 6 siblings under groups:3: 8 parents. A parent's later siblings wait for its turn
+    too (had they gone at once, the router would meet every parent at once), so the parents' first
+    requests are paced, and each parent's siblings arrive at its turn, together."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:3")
+    _step(dynamo, prompts=4, siblings=6)
+    by_parent: dict[str, list[float]] = {}
+    for seen in dynamo.requests:
+        by_parent.setdefault(seen.get(PARENT_SESSION_HEADER) or "", []).append(seen.at)
+    assert len(by_parent) == 8 and {len(times) for times in by_parent.values()} == {3}
+    _assert_paced(sorted(min(times) for times in by_parent.values()))
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_later_step_is_paced_too(dynamo: Recorder, named: bool) -> None:
+    """Under the default (``auto``), sized to 8 workers: the second step's 8 parents paced as well,
+    whether each attempt's group is read from its first request or named (then its parent is chosen
+    as the trajectory opens, and its first request waits for the parent's turn all the same)."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    _step(dynamo, prompts=8, siblings=2, named=named)
+    assert _siblings.step_seen()
+    dynamo.clear()
+    _step(dynamo, prompts=8, siblings=2, named=named)
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 8
+    _assert_paced(arrivals)
+
+
+def test_a_large_step_waits_two_seconds_at_most(dynamo: Recorder) -> None:
+    """130 prompts x 2 siblings, each under a parent of its own (groups:1): 260 parents, 10 ms apart
+    for ``SPREAD`` (2 s: 200 of them), the rest together at its end, not 2.6 s later."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:1")
+    began = time.monotonic()
+    _step(dynamo, prompts=130, siblings=2)
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 260
+    assert _pacing.SPREAD == 2.0 and 1.7 < arrivals[-1] - arrivals[0] < 2.5
+    assert time.monotonic() - began < 4.0
+
+
+def test_attempts_without_a_parent_never_wait(dynamo: Recorder) -> None:
+    """``attempt``: each sibling under its own session, no parent: nothing to pace."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="attempt")
+    _step(dynamo, prompts=8, siblings=4)
+    times = sorted(seen.at for seen in dynamo.requests)
+    assert len(times) == 32 and None not in {seen.get(SESSION_HEADER) for seen in dynamo.requests}
+    assert {seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests} == {None}
+    assert times[-1] - times[0] < 0.3  # 31 turns of 10 ms would be 0.31 s
+
+
+def test_a_fault_of_ours_while_pacing_never_fails_the_request(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*args: object) -> float:
+        raise RuntimeError("a bug of ours")
+
+    monkeypatch.setattr(_faults, "_reported", set())  # reported once per process: start afresh
+    monkeypatch.setattr(_pacing, "delay", broken)
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=2, siblings=2)
+    assert len(dynamo.requests) == 4
+    assert None not in {seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests}
+    said = "otel-session: waiting for a first step or a parent's turn failed (RuntimeError);"
+    assert any(r.getMessage().startswith(said) for r in caplog.records)
+
+
+def test_an_attempt_cancelled_while_it_waits_for_its_turn_sends_nothing(dynamo: Recorder) -> None:
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:1")
+    _busy(("http", "127.0.0.1", dynamo.port), 0.4)  # a burst before: the next parent's turn in 0.4 s
+
+    async def run() -> None:
+        async def attempt() -> None:
+            async with otel_session.trajectory(), httpx.AsyncClient() as http:
+                await http.post(f"{dynamo.url}/v1/chat/completions", json=_body(0), timeout=10)
+
+        task = asyncio.create_task(attempt())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    time.sleep(0.4)
+    assert dynamo.requests == []
+
+
+def _busy(origin: tuple[str, str, int | None], seconds: float) -> None:
+    """The router's next new parent's turn ``seconds`` away, as after a burst of new parents there."""
+    _pacing.delay(origin, f"a burst before {seconds}")
+    _pacing._next[canonical_origin(*origin)] = time.monotonic() + seconds
+
+
+def test_turns_are_per_router_and_forgotten_by_unconfigure(dynamo: Recorder) -> None:
+    here, there = ("http", "127.0.0.1", 1), ("http", "127.0.0.1", 2)
+    assert _pacing.waits("a")
+    assert _pacing.delay(here, "a") == 0.0
+    assert not _pacing.waits("a")  # its turn has come
+    assert _pacing.delay(here, "b") == pytest.approx(_pacing.PACE, abs=0.003)
+    assert _pacing.waits("b")  # its turn is still to come
+    assert _pacing.delay(here, "a") == 0.0  # a's siblings go at once
+    assert _pacing.delay(there, "c") == 0.0  # another router: turns of its own
+    assert _pacing.delay(here, "d") == pytest.approx(2 * _pacing.PACE, abs=0.003)
+    assert _pacing.delay(here, "b") == pytest.approx(_pacing.PACE, abs=0.003)  # b's turn, kept
+    assert _pacing.delay(("http", "127.0.0.1", None), "e") == 0.0  # port None and 80: one router
+    assert _pacing.delay(("HTTP", "127.0.0.1", 80), "f") == pytest.approx(_pacing.PACE, abs=0.003)
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    otel_session.unconfigure()
+    assert _pacing.delay(here, "g") == 0.0 and _pacing.waits("b")
+
+
+def test_no_wait_is_longer_than_the_spread() -> None:
+    """300 new parents at once: 10 ms apart for 2 s, the last 100 together at its end; a parent
+    past the spread never waits longer on a later request."""
+    origin = ("http", "127.0.0.1", 1)
+    waits = [_pacing.delay(origin, f"p{n}") for n in range(300)]
+    assert max(waits) == pytest.approx(_pacing.SPREAD, abs=0.003)
+    assert waits[:3] == [0.0, pytest.approx(0.01, abs=0.003), pytest.approx(0.02, abs=0.003)]
+    assert waits[250] == pytest.approx(_pacing.SPREAD, abs=0.003)
+    assert _pacing.delay(origin, "p299") <= _pacing.SPREAD
+
+
+def test_a_full_table_drops_the_turns_gone_by(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Full, it drops the turns gone by and keeps those to come; with none gone by, it drops them
+    all rather than grow past its bound."""
+    monkeypatch.setattr(_pacing, "TURNS_KEPT", 6)
+    here = ("http", "127.0.0.1", 1)
+    for n in range(3):
+        _pacing._turns[f"old{n}"] = time.monotonic() - 1
+        _pacing._turns[f"new{n}"] = time.monotonic() + 60
+    _pacing.delay(here, "one more")
+    assert sorted(_pacing._turns) == ["new0", "new1", "new2", "one more"]
+    _pacing._turns.clear()
+    for n in range(6):
+        _pacing._turns[f"later{n}"] = time.monotonic() + 60
+    _pacing.delay(here, "last")
+    assert sorted(_pacing._turns) == ["last"]
+
+
+def test_the_tables_never_pass_their_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pacing, "TURNS_KEPT", 5)
+    monkeypatch.setattr(_pacing, "ORIGINS_KEPT", 3)
+    for n in range(6):
+        _pacing.delay(("http", "127.0.0.1", 1), f"p{n}")
+        assert len(_pacing._turns) <= 5
+    for n in range(4):
+        _pacing.delay(("http", "127.0.0.1", 10 + n), f"q{n}")
+        assert len(_pacing._next) <= 3
+
+
+def test_a_groups_parents_are_forgotten_as_it_ends(dynamo: Recorder) -> None:
+    """Kept, a long run's table would fill and drop the turns of attempts still open."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    _step(dynamo, prompts=2, siblings=4)
+    parents = {seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests}
+    assert len(parents) == 4 and not _pacing._turns and _siblings.open_groups() == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_held_the_turns_lock_paces_on() -> None:
+    """A rollout worker forked while another thread took a turn: the child takes its own turns at
+    once (the lock it inherited held is not its own), and none of its parent's."""
+    _pacing.delay(("http", "127.0.0.1", 1), "the parent's")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _pacing._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            fresh = _pacing.delay(("http", "127.0.0.1", 1), "the child's") == 0.0
+            code = 0 if fresh and _pacing.waits("the parent's") else 2
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(10)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the lock it inherited")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+# ---- the rules, one by one (in-process) ----------------------------------------------------------
+
+
+def _offer_of(parent: str | None, pinned: bool = True) -> Any:
+    """What ``_gathering`` reads of a decided offer (a stand-in: these rules read nothing else)."""
+    from otel_session._policy import Offer
+
+    offer = Offer("s", parent, pinned=pinned)
+    return SimpleNamespace(undecided=None, offer=offer, due=parent is not None and pinned)
+
+
+def test_only_a_pinned_parent_takes_a_turn() -> None:
+    here = ("http", "127.0.0.1", 1)
+    _pacing.delay(here, "first")  # the next new parent's turn is 10 ms away
+    assert _gathering._turn(_offer_of(None), None, here)[1] == 0.0
+    assert _gathering._turn(_offer_of("refused", pinned=False), None, here)[1] == 0.0  # router refused it
+    assert "refused" not in _pacing._turns
+    assert _gathering._turn(_offer_of("second"), None, here)[1] > 0.005
+
+
+def test_a_parent_whose_turn_has_come_is_asked_about_once(dynamo: Recorder) -> None:
+    """``may_wait`` reads the parent's turn until it has come, then never again for that offer."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    with otel_session.trajectory(group="g"):  # a fixed K: the parent is chosen as it opens
+        offered = _hop.current()
+        assert offered is not None and offered.offer.parent is not None and offered.due
+        assert _gathering.may_wait(offered)  # its turn not taken yet
+        _pacing.delay(("http", "127.0.0.1", dynamo.port), offered.offer.parent)
+        assert not _gathering.may_wait(offered) and not offered.due
+        _pacing._turns[offered.offer.parent] = time.monotonic() + 60  # it would wait: not asked again
+        assert not _gathering.may_wait(offered)
+    assert not _gathering.may_wait(_offer_of(None))
+
+
+def test_a_blocking_client_on_an_event_loop_never_sleeps_for_a_turn(dynamo: Recorder) -> None:
+    """Its parent's turn is 0.4 s away, but the thread runs an event loop: it goes at once."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    _busy(("http", "127.0.0.1", dynamo.port), 0.4)
+
+    async def run() -> float:
+        began = time.monotonic()
+        with otel_session.trajectory():
+            httpx.post(f"{dynamo.url}/v1/chat/completions", json=_body(0), timeout=10)
+        return time.monotonic() - began
+
+    assert asyncio.run(run()) < 0.2
+    assert dynamo.requests[0].get(PARENT_SESSION_HEADER) is not None
+
+
+def test_siblings_each_alone_never_wait(dynamo: Recorder) -> None:
+    """Sized to a fleet with a worker for every sibling (K = 1): no parent, no turn, no wait."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    began = time.monotonic()
+    _step(dynamo, prompts=1, siblings=4)
+    assert time.monotonic() - began < 0.5
+    assert {seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests} == {None}
+    began = time.monotonic()
+    threads = [threading.Thread(target=_one_request, args=(dynamo,)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert time.monotonic() - began < 0.5
+
+
+def _one_request(dynamo: Recorder) -> None:
+    with otel_session.trajectory():
+        httpx.post(f"{dynamo.url}/v1/chat/completions", json=_body(0), timeout=10)
+
+
+def test_a_blocking_client_waits_for_its_parents_turn(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On this thread (no event loop here): the parent's turn 0.2 s away is waited for, quietly."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    _busy(("http", "127.0.0.1", dynamo.port), 0.2)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="otel_session"), otel_session.trajectory():
+        httpx.post(f"{dynamo.url}/v1/chat/completions", json=_body(0), timeout=10)
+    assert 0.15 <= time.monotonic() - began < 1.0
+    assert dynamo.requests[0].get(PARENT_SESSION_HEADER) is not None and not caplog.records
+
+
+def test_an_attempts_first_requests_sent_together_name_one_parent_counted_once(
+    dynamo: Recorder,
+) -> None:
+    """Two requests of one attempt sent at once in its first step: one waits for the step and its
+    turn, the other decides the attempt meanwhile; both name the same parent and the attempt is
+    counted once."""
+    from tests import support
+
+    dynamo.instances = 1
+    before = support.metric_points()  # the reader's provider set before the library's meter is made
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+
+    async def run() -> None:
+        async def attempt(http: httpx.AsyncClient, sibling: int) -> None:
+            async with otel_session.trajectory(group="g"):
+                url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
+                await asyncio.gather(*(http.post(url, json=_body(0), timeout=10) for _ in range(2)))
+
+        async with httpx.AsyncClient() as http:
+            await asyncio.gather(attempt(http, 0), attempt(http, 1))
+
+    asyncio.run(run())
+    assert len(dynamo.requests) == 4
+    parents = {seen.get(PARENT_SESSION_HEADER) for seen in dynamo.requests}
+    assert len(parents) == 1 and None not in parents
+    choices = "otel_session.sibling_choices"
+    assert support.metric_delta(before, choices) == 2  # each attempt's choice counted once
