@@ -26,7 +26,8 @@ The arms (what the frontend runs, what otel-session sends):
     rr, kv                 round-robin or kv routing, no session header
     kv+header/off          the default's headers, session affinity OFF at the frontend (the header
                            is sent and ignored: what ``doctor --layout kv`` recommends)
-    kv+default             kv, affinity on (hard), the library's default sibling keying (groups:2)
+    kv+default             kv, affinity on (hard), the library's default sibling keying (auto: one group
+                           per worker, sized from the fleet; groups:2 where its size is unknown)
     kv+default/nogroup     the same with a plain trajectory(): the group inferred from the prompt
     kv+attempt             a session per attempt, no parent (the "no parent at all" arm)
     kv+prompt, kv+groups:K all siblings of a prompt under one parent; each K under one

@@ -83,9 +83,9 @@ async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destinatio
             await asyncio.sleep(0)  # the step's other attempts, started with this one, reach theirs
             while look.again():
                 await asyncio.sleep(SETTLE)
-        turn = _turn(offered, body, destination)[1]
-        if turn > 0:
-            await asyncio.sleep(turn)
+        parent = _turn(offered, body, destination)[1]
+        if parent is not None:
+            await _pacing.wait(_origin(destination), parent)
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
 
@@ -104,9 +104,9 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
             look = _entered(offered, body, destination)
             while look is not None and look.again():
                 time.sleep(SETTLE_THREADS)
-        offered, turn = _turn(offered, body, destination)
-        if turn > 0 and not _waiting.loop_running():
-            time.sleep(turn)
+        offered, parent = _turn(offered, body, destination)
+        if parent is not None:
+            _pacing.wait_here(_origin(destination), parent, sleep=not _waiting.loop_running())
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
     return offered
@@ -165,17 +165,21 @@ def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -
     holder.enter(_prompts.key_of(body))
     if holder.key is None:
         return None
+    return _Look(_origin(destination))
+
+
+def _origin(destination: _hop.Destination) -> _fleet.Origin:
+    """The router a request goes to, as ``_fleet`` and ``_pacing`` key it (no host reads as "")."""
     scheme, host, port = destination
-    return _Look((scheme, host or "", port))
+    return scheme, host or "", port
 
 
-def _turn(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> tuple[_hop.Offered, float]:
-    """The attempt decided (what the context offers from now on) and the seconds its request waits
-    for its parent's turn at the router (``_pacing``), 0 where it names no parent."""
+def _turn(
+    offered: _hop.Offered, body: Body, destination: _hop.Destination
+) -> tuple[_hop.Offered, str | None]:
+    """The attempt decided (what the context offers from now on) and the parent whose turn at the
+    router (``_pacing``) its request waits for: ``None`` where it names none, or sends none."""
     if offered.undecided is not None:
         offered = offered.decide(body, destination)
     parent = offered.offer.parent
-    if parent is None or not offered.offer.pinned:
-        return offered, 0.0
-    scheme, host, port = destination
-    return offered, _pacing.delay((scheme, host or "", port), parent)
+    return offered, parent if parent is not None and offered.offer.pinned else None

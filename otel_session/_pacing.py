@@ -4,14 +4,18 @@ Dynamo places a new session on the load it sees, and sessions that reach it with
 milliseconds of each other are placed on a view that has not yet counted the ones just placed: a
 GRPO step opens all its groups at once, and that burst of new parents lands unevenly (three groups
 on one worker, one on another), so the step waits for the crowded worker. The first request under a
-parent takes the parent's turn, ``PACE`` after the last parent's at its router, and every request
-under the parent waits for that turn, so the router counts each parent before it places the next
-(docs/performance.md, "New parents, paced"). No request waits more than ``SPREAD``: parents past
-it go together at its end, as a burst goes without pacing.
+parent takes the parent's turn, a slot ``PACE`` after the last parent's at its router, and every
+request under the parent waits for it; as the slot comes the parent leaves ``PACE`` after the last
+parent that left there (slots that passed while an event loop was busy would otherwise go together),
+so the router counts each parent before it places the next (docs/performance.md, "New parents,
+paced"). No request waits more than ``SPREAD``: parents past it go together at its end, as a burst
+goes without pacing. Where every request waiting at a router gave up (a cancelled step), the turns
+it held are handed back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -24,46 +28,150 @@ SPREAD = 2.0  # seconds a request waits at most: 200 new parents a router paced 
 ORIGINS_KEPT = 64
 TURNS_KEPT = 16_384  # parents whose turn is remembered; turns gone by are dropped beyond it
 
-_next: dict[Origin, float] = {}  # router -> when its next new parent may go (time.monotonic)
-_turns: dict[str, float] = {}  # parent session -> when requests under it may go
+
+class _Turn:
+    """A parent's turn: its slot, the latest it may leave, and when it left (``None`` until its slot
+    has come)."""
+
+    __slots__ = ("at", "latest", "left", "origin")
+
+    def __init__(self, origin: Origin, at: float, latest: float) -> None:
+        self.origin = origin
+        self.at = at
+        self.latest = latest
+        self.left: float | None = None
+
+
+class _Queue:
+    """A router's new parents: the next free slot, when the last parent left (or is to leave), and
+    how many requests wait for a turn there."""
+
+    __slots__ = ("left", "next", "waiting")
+
+    def __init__(self, now: float) -> None:
+        self.next = now
+        self.left = now - PACE
+        self.waiting = 0
+
+
+_queues: dict[Origin, _Queue] = {}
+_turns: dict[str, _Turn] = {}  # parent session -> its turn
 _lock = threading.Lock()
 
 
 def waits(parent: str) -> bool:
     """Whether a request under ``parent`` may have to wait: its turn not taken yet, or still to come."""
     turn = _turns.get(parent)
-    return turn is None or turn > time.monotonic()
+    return turn is None or turn.left is None or turn.left > time.monotonic()
+
+
+async def wait(origin: Origin, parent: str) -> None:
+    """Wait for ``parent``'s turn at ``origin`` (an asyncio task): cancelled, it gives its turn back
+    where no other request waits there."""
+    origin = canonical_origin(*origin)  # port None and 80, as clients spell them, are one router
+    _count(origin, 1)
+    try:
+        while (pause := delay(origin, parent)) > 0:
+            await asyncio.sleep(pause)
+    except BaseException:
+        _gave_up(origin)
+        raise
+    _count(origin, -1)
+
+
+def wait_here(origin: Origin, parent: str, sleep: bool) -> None:
+    """``wait`` for a blocking client; ``sleep`` false (a thread that runs an event loop) takes the
+    turn and goes at once."""
+    origin = canonical_origin(*origin)
+    _count(origin, 1)
+    try:
+        while (pause := delay(origin, parent)) > 0 and sleep:
+            time.sleep(pause)
+    except BaseException:
+        _gave_up(origin)
+        raise
+    _count(origin, -1)
 
 
 def delay(origin: Origin, parent: str) -> float:
-    """Seconds a request under ``parent`` to ``origin`` waits: until the parent's turn, taken now
-    by the first request to ask."""
-    origin = canonical_origin(*origin)  # port None and 80, as clients spell them, are one router
+    """Seconds a request under ``parent`` to ``origin`` waits from now: until the parent's slot,
+    taken now by the first request to ask; once the slot has come, until the parent leaves, ``PACE``
+    after the last to leave there (siblings go with it)."""
+    origin = canonical_origin(*origin)
     now = time.monotonic()
     with _lock:
         turn = _turns.get(parent)
         if turn is None:
-            turn = min(max(now, _next.get(origin, now)), now + SPREAD)
-            if origin not in _next and len(_next) >= ORIGINS_KEPT:
-                _next.clear()
-            _next[origin] = turn + PACE
+            queue = _queue(origin, now)
+            turn = _Turn(origin, min(max(now, queue.next), now + SPREAD), now + SPREAD)
+            queue.next = turn.at + PACE
             if len(_turns) >= TURNS_KEPT:
                 _forget_past(now)
             _turns[parent] = turn
-    return max(0.0, turn - now)
+        if turn.left is None:
+            if turn.at > now:
+                return turn.at - now
+            queue = _queue(turn.origin, now)
+            turn.left = min(max(now, queue.left + PACE), turn.latest)
+            queue.left = max(queue.left, turn.left)
+    return max(0.0, turn.left - now)
+
+
+def _queue(origin: Origin, now: float) -> _Queue:
+    """``origin``'s queue, made where missing; a full table first drops an idle router's, the one
+    whose slots are the oldest."""
+    queue = _queues.get(origin)
+    if queue is None:
+        if len(_queues) >= ORIGINS_KEPT:
+            del _queues[min(_queues, key=lambda seen: (_queues[seen].waiting > 0, _queues[seen].next))]
+        queue = _queues[origin] = _Queue(now)
+    return queue
+
+
+def _count(origin: Origin, waiting: int) -> None:
+    """One more (or one fewer) request waiting for a turn at ``origin``."""
+    with _lock:
+        queue = _queue(origin, time.monotonic())
+        queue.waiting = max(0, queue.waiting + waiting)
+
+
+def _gave_up(origin: Origin) -> None:
+    """A request stopped waiting before its turn (cancelled): where it was the last waiting at
+    ``origin``, the turns still to come there go back (kept, the next step's parents would wait
+    behind slots nobody uses), and the next parent leaves ``PACE`` after the last that did."""
+    with _lock:
+        queue = _queues.get(origin)
+        if queue is None:
+            return
+        queue.waiting = max(0, queue.waiting - 1)
+        if queue.waiting:
+            return
+        now = time.monotonic()
+        queue.next = min(queue.next, now)
+        queue.left = min(queue.left, now)
+        for parent in [p for p, turn in _turns.items() if turn.origin == origin and not _gone(turn, now)]:
+            del _turns[parent]
+
+
+def _gone(turn: _Turn, now: float) -> bool:
+    """Whether ``turn``'s parent has left."""
+    return turn.left is not None and turn.left <= now
 
 
 def _forget_past(now: float) -> None:
     """Drop the turns gone by (a request under such a parent takes a turn anew, at once where no
     burst is being paced), or every turn where none has gone by."""
-    past = [parent for parent, turn in _turns.items() if turn <= now]
+    past = [parent for parent, turn in _turns.items() if _gone(turn, now)]
     for parent in past or list(_turns):
         del _turns[parent]
 
 
-def release(parents: list[str]) -> None:
-    """A group ended: its parents' turns are forgotten (kept, a long run's table would fill and drop
-    the turns of attempts still open, whose later requests would then wait as new parents)."""
+def release(parents: list[str] | tuple[str, ...]) -> None:
+    """Attempts ended: the turns of the parents they named are forgotten (a group's, or an enclosing
+    attempt's session that the attempts nested in it named; kept, a long run's table would fill and
+    drop the turns of attempts still open, whose later requests would then wait as new parents)."""
+    if not any(parent in _turns for parent in parents):  # most attempts end naming no parent here
+        return
     with _lock:
         for parent in parents:
             _turns.pop(parent, None)
@@ -72,7 +180,7 @@ def release(parents: list[str]) -> None:
 def forget() -> None:
     """Forget every router's and parent's turn (``unconfigure()``)."""
     with _lock:
-        _next.clear()
+        _queues.clear()
         _turns.clear()
 
 
@@ -82,7 +190,7 @@ def _forget_in_child() -> None:
     child paces its own parents)."""
     global _lock
     _lock = threading.Lock()
-    _next.clear()
+    _queues.clear()
     _turns.clear()
 
 

@@ -29,7 +29,18 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from otel_session import _faults, _fleet, _hop, _metrics, _session_end, _settings, _siblings, _stock, _tracing
+from otel_session import (
+    _faults,
+    _fleet,
+    _hop,
+    _metrics,
+    _pacing,
+    _session_end,
+    _settings,
+    _siblings,
+    _stock,
+    _tracing,
+)
 from otel_session._context import (
     ROUTER_VISITS_KEY,
     SESSION_ATTRIBUTE,
@@ -250,6 +261,8 @@ class trajectory(metaclass=_TrajectoryType):
         if self._joined is not None:
             _siblings.leave(self._joined)
             self._joined = None
+        if self.session_id is not None:  # the parent of attempts nested in it: its turn is over
+            _pacing.release((self.session_id,))
         if self._inferred is not None:
             self._parent = self._parent or self._inferred.parent  # the session's end names it too
             if self._parent is not None and span is not None and span.is_recording():

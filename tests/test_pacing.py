@@ -121,20 +121,25 @@ def test_siblings_go_at_their_parents_turn_not_before(dynamo: Recorder) -> None:
     _assert_paced(sorted(min(times) for times in by_parent.values()))
 
 
-@pytest.mark.parametrize("named", [False, True])
-def test_a_later_step_is_paced_too(dynamo: Recorder, named: bool) -> None:
+@pytest.mark.parametrize(("client", "named"), [("httpx", False), ("httpx", True), ("requests", False)])
+def test_a_later_step_is_paced_too(
+    dynamo: Recorder, client: str, named: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """Under the default (``auto``), sized to 8 workers: the second step's 8 parents paced as well,
     whether each attempt's group is read from its first request or named (then its parent is chosen
-    as the trajectory opens, and its first request waits for the parent's turn all the same)."""
+    as the trajectory opens, and its first request waits for the parent's turn all the same), on an
+    event loop or in threads."""
     dynamo.instances = 8
     otel_session.configure(dynamo_hosts=[dynamo.url])
-    _step(dynamo, prompts=8, siblings=2, named=named)
-    assert _siblings.step_seen()
-    dynamo.clear()
-    _step(dynamo, prompts=8, siblings=2, named=named)
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=8, siblings=2, client=client, named=named)
+        assert _siblings.step_seen()
+        dynamo.clear()
+        _step(dynamo, prompts=8, siblings=2, client=client, named=named)
     arrivals = _first_arrivals(dynamo)
     assert len(arrivals) == 8
     _assert_paced(arrivals)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
 
 
 def test_a_large_step_waits_two_seconds_at_most(dynamo: Recorder) -> None:
@@ -196,10 +201,133 @@ def test_an_attempt_cancelled_while_it_waits_for_its_turn_sends_nothing(dynamo: 
     assert dynamo.requests == []
 
 
+def test_turns_that_pass_while_the_event_loop_is_busy_still_leave_paced(dynamo: Recorder) -> None:
+    """24 attempts, each holding the loop 5 ms before its first request (templating its prompt):
+    the slots of the first dozen pass while the loop is busy, and their parents would wake and leave
+    together; each leaves ``PACE`` after the last that left instead."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:1")
+
+    async def attempt(http: httpx.AsyncClient, prompt: int) -> None:
+        async with otel_session.trajectory():
+            time.sleep(0.005)  # CPU work on the loop's thread, as a tokenizer's
+            await http.post(f"{dynamo.url}/p{prompt}/v1/chat/completions", json=_body(prompt), timeout=10)
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+            await asyncio.gather(*(attempt(http, prompt) for prompt in range(24)))
+
+    asyncio.run(run())
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 24
+    together = [later - earlier < 0.002 for earlier, later in itertools.pairwise(arrivals)]
+    assert sum(together) <= 3, [round(b - a, 4) for a, b in itertools.pairwise(arrivals)]
+    _assert_paced(arrivals)
+
+
+def test_a_cancelled_step_hands_its_turns_back(dynamo: Recorder) -> None:
+    """100 new parents take slots over a second and are cancelled at 0.1 s (a step given up on):
+    nobody waits at the router any more, so the next parent goes at once rather than behind a
+    second of empty slots; while one request still waits there, the slots are kept."""
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:1")
+    url = f"{dynamo.url}/v1/chat/completions"
+
+    async def attempt(http: httpx.AsyncClient, prompt: int) -> None:
+        async with otel_session.trajectory():
+            await http.post(url, json=_body(prompt), timeout=10)
+
+    async def run() -> float:
+        async with httpx.AsyncClient() as http:
+            step = asyncio.gather(*(attempt(http, prompt) for prompt in range(100)))
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(step, 0.1)
+            began = time.monotonic()
+            await attempt(http, 100)
+            return time.monotonic() - began
+
+    assert asyncio.run(run()) < 0.4  # behind the cancelled slots: ~0.9 s
+    assert len(dynamo.requests) < 30  # the step's first turns went (~10 in 0.1 s); the rest sent nothing
+    origin = canonical_origin("http", "127.0.0.1", dynamo.port)
+    assert not [turn for turn in _pacing._turns.values() if turn.left is None]
+    assert _pacing._queues[origin].waiting == 0
+
+
+def test_one_request_still_waiting_keeps_the_routers_slots(clock: _Clock) -> None:
+    """Two requests wait at a router; one gives up: the other's slot and those before it stand."""
+    here = ("http", "127.0.0.1", 1)
+    origin = canonical_origin(*here)
+    for parent in ("a", "b", "c"):
+        _pacing.delay(here, parent)
+    _pacing._count(origin, 1)
+    _pacing._count(origin, 1)
+    _pacing._gave_up(origin)
+    assert _pacing._queues[origin].waiting == 1 and sorted(_pacing._turns) == ["a", "b", "c"]
+    assert _pacing.delay(here, "d") == pytest.approx(3 * _pacing.PACE)
+    _pacing._gave_up(origin)
+    assert sorted(_pacing._turns) == ["a"] and _pacing._queues[origin].waiting == 0  # a has left
+    assert _pacing.delay(here, "e") == pytest.approx(_pacing.PACE)  # PACE after a, who left now
+    _pacing._gave_up(("http", "127.0.0.1", 2))  # a router never seen: nothing to hand back
+
+
+def test_a_parent_leaves_pace_after_the_last_to_leave(clock: _Clock) -> None:
+    """Five slots 10 ms apart, all passed when their requests next look (the loop was busy for
+    0.1 s): they leave one ``PACE`` after another from now, siblings with their parent; no later
+    than ``SPREAD`` after the parent first asked."""
+    here = ("http", "127.0.0.1", 1)
+    assert [_pacing.delay(here, f"p{n}") for n in range(5)] == [
+        0.0,
+        *(pytest.approx(n * 0.01) for n in range(1, 5)),
+    ]
+    clock.advance(0.1)
+    assert [_pacing.delay(here, f"p{n}") for n in (1, 2, 3, 4)] == [
+        0.0,
+        *(pytest.approx(n * 0.01) for n in range(1, 4)),
+    ]
+    assert _pacing.delay(here, "p3") == pytest.approx(0.02)  # a sibling of p3 goes with it
+    assert _pacing.waits("p3") and not _pacing.waits("p1")
+    clock.advance(0.02)
+    assert _pacing.delay(here, "p3") == 0.0 and not _pacing.waits("p3")
+    _pacing._queues[canonical_origin(*here)].left = clock.now + 5  # a long queue to leave behind
+    assert _pacing.delay(here, "late") == pytest.approx(_pacing.SPREAD)
+
+
+def test_a_full_origin_table_drops_an_idle_router_not_all(
+    monkeypatch: pytest.MonkeyPatch, clock: _Clock
+) -> None:
+    """Past ``ORIGINS_KEPT`` routers, the idle one with the oldest slots goes; a busy router keeps
+    its queue (cleared, its next parent would go at once, on top of those still waiting)."""
+    monkeypatch.setattr(_pacing, "ORIGINS_KEPT", 3)
+    busy, idle, other = ("http", "127.0.0.1", 1), ("http", "127.0.0.1", 2), ("http", "127.0.0.1", 3)
+    _pacing.delay(busy, "b0")
+    _pacing.delay(busy, "b1")
+    _pacing.delay(idle, "i0")
+    clock.advance(0.001)
+    _pacing.delay(other, "o0")
+    clock.advance(0.001)
+    _pacing.delay(("http", "127.0.0.1", 4), "n0")
+    assert canonical_origin(*idle) not in _pacing._queues and canonical_origin(*other) in _pacing._queues
+    assert _pacing.delay(busy, "b2") == pytest.approx(0.018)
+    _pacing._count(canonical_origin(*other), 1)  # a request waits at other: kept, oldest or not
+    clock.advance(0.001)
+    _pacing.delay(("http", "127.0.0.1", 5), "m0")
+    assert sorted(port for _, _, port in _pacing._queues) == [1, 3, 5]  # 4's slots older than 1's
+
+
+def test_an_enclosing_attempts_session_is_released_as_it_ends(dynamo: Recorder) -> None:
+    """Attempts nested in an episode name its session as their parent: its turn is forgotten as the
+    episode ends (kept, a long run's table would fill with them)."""
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    with otel_session.trajectory() as episode:
+        with otel_session.trajectory():
+            httpx.post(f"{dynamo.url}/v1/chat/completions", json=_body(0), timeout=10)
+        assert dynamo.requests[0].get(PARENT_SESSION_HEADER) == episode.session_id
+        assert episode.session_id in _pacing._turns
+    assert not _pacing._turns
+
+
 def _busy(origin: tuple[str, str, int | None], seconds: float) -> None:
     """The router's next new parent's turn ``seconds`` away, as after a burst of new parents there."""
     _pacing.delay(origin, f"a burst before {seconds}")
-    _pacing._next[canonical_origin(*origin)] = time.monotonic() + seconds
+    _pacing._queues[canonical_origin(*origin)].next = time.monotonic() + seconds
 
 
 class _Clock:
@@ -255,18 +383,25 @@ def test_no_wait_is_longer_than_the_spread(clock: _Clock) -> None:
 def test_a_full_table_drops_the_turns_gone_by(monkeypatch: pytest.MonkeyPatch) -> None:
     """Full, it drops the turns gone by and keeps those to come; with none gone by, it drops them
     all rather than grow past its bound."""
-    monkeypatch.setattr(_pacing, "TURNS_KEPT", 6)
+    monkeypatch.setattr(_pacing, "TURNS_KEPT", 7)
     here = ("http", "127.0.0.1", 1)
     for n in range(3):
-        _pacing._turns[f"old{n}"] = time.monotonic() - 1
-        _pacing._turns[f"new{n}"] = time.monotonic() + 60
+        _pacing._turns[f"old{n}"] = _a_turn(left=time.monotonic() - 1)
+        _pacing._turns[f"new{n}"] = _a_turn(left=time.monotonic() + 60)
+    _pacing._turns["slot passed, not left"] = _a_turn(left=None)
     _pacing.delay(here, "one more")
-    assert sorted(_pacing._turns) == ["new0", "new1", "new2", "one more"]
+    assert sorted(_pacing._turns) == ["new0", "new1", "new2", "one more", "slot passed, not left"]
     _pacing._turns.clear()
-    for n in range(6):
-        _pacing._turns[f"later{n}"] = time.monotonic() + 60
+    for n in range(7):
+        _pacing._turns[f"later{n}"] = _a_turn(left=time.monotonic() + 60)
     _pacing.delay(here, "last")
     assert sorted(_pacing._turns) == ["last"]
+
+
+def _a_turn(left: float | None) -> Any:
+    turn = _pacing._Turn(("http", "127.0.0.1", 9), time.monotonic() - 2, time.monotonic() + 60)
+    turn.left = left
+    return turn
 
 
 def test_the_tables_never_pass_their_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +412,7 @@ def test_the_tables_never_pass_their_bounds(monkeypatch: pytest.MonkeyPatch) -> 
         assert len(_pacing._turns) <= 5
     for n in range(4):
         _pacing.delay(("http", "127.0.0.1", 10 + n), f"q{n}")
-        assert len(_pacing._next) <= 3
+        assert len(_pacing._queues) <= 3
 
 
 def test_a_groups_parents_are_forgotten_as_it_ends(dynamo: Recorder) -> None:
@@ -334,13 +469,11 @@ def _offer_of(parent: str | None, pinned: bool = True) -> Any:
     return SimpleNamespace(undecided=None, offer=offer, due=parent is not None and pinned)
 
 
-def test_only_a_pinned_parent_takes_a_turn(clock: _Clock) -> None:
+def test_only_a_pinned_parent_is_waited_for() -> None:
     here = ("http", "127.0.0.1", 1)
-    _pacing.delay(here, "first")  # the next new parent's turn is 10 ms away
-    assert _gathering._turn(_offer_of(None), None, here)[1] == 0.0
-    assert _gathering._turn(_offer_of("refused", pinned=False), None, here)[1] == 0.0  # router refused it
-    assert "refused" not in _pacing._turns
-    assert _gathering._turn(_offer_of("second"), None, here)[1] > 0.005
+    assert _gathering._turn(_offer_of(None), None, here)[1] is None
+    assert _gathering._turn(_offer_of("refused", pinned=False), None, here)[1] is None  # router refused it
+    assert _gathering._turn(_offer_of("second"), None, here)[1] == "second"
 
 
 def test_a_parent_whose_turn_has_come_is_asked_about_once(dynamo: Recorder) -> None:
@@ -352,7 +485,7 @@ def test_a_parent_whose_turn_has_come_is_asked_about_once(dynamo: Recorder) -> N
         assert _gathering.may_wait(offered)  # its turn not taken yet
         _pacing.delay(("http", "127.0.0.1", dynamo.port), offered.offer.parent)
         assert not _gathering.may_wait(offered) and not offered.due
-        _pacing._turns[offered.offer.parent] = time.monotonic() + 60  # it would wait: not asked again
+        _pacing._turns[offered.offer.parent].left = time.monotonic() + 60  # it would wait: not asked again
         assert not _gathering.may_wait(offered)
     assert not _gathering.may_wait(_offer_of(None))
 
@@ -434,3 +567,74 @@ def test_an_attempts_first_requests_sent_together_name_one_parent_counted_once(
     assert len(parents) == 1 and None not in parents
     choices = "otel_session.sibling_choices"
     assert support.metric_delta(before, choices) == 2  # each attempt's choice counted once
+
+
+def test_each_wait_is_counted_while_it_lasts_on_a_loop_and_in_threads() -> None:
+    """Two requests wait at a router, their slots 0.1 s and 0.3 s away: two counted, then one as the
+    first leaves, then none (the count is what tells a router nobody waits at any more)."""
+    here = ("http", "127.0.0.1", 1)
+    origin = canonical_origin(*here)
+
+    def slot_in(seconds: float) -> None:
+        _pacing._queue(origin, time.monotonic()).next = time.monotonic() + seconds
+
+    async def on_a_loop() -> list[int]:
+        slot_in(0.1)
+        first = asyncio.create_task(_pacing.wait(here, "first"))
+        await asyncio.sleep(0)
+        slot_in(0.3)
+        second = asyncio.create_task(_pacing.wait(here, "second"))
+        await asyncio.sleep(0)
+        counted = [_pacing._queues[origin].waiting]
+        await first
+        counted.append(_pacing._queues[origin].waiting)
+        await second
+        return [*counted, _pacing._queues[origin].waiting]
+
+    assert asyncio.run(on_a_loop()) == [2, 1, 0]
+    slot_in(0.1)
+    first = threading.Thread(target=_pacing.wait_here, args=(here, "first in a thread", True))
+    first.start()
+    time.sleep(0.03)
+    slot_in(0.3)
+    second = threading.Thread(target=_pacing.wait_here, args=(here, "second in a thread", True))
+    second.start()
+    time.sleep(0.03)
+    counted = [_pacing._queues[origin].waiting]
+    first.join(5)
+    counted.append(_pacing._queues[origin].waiting)
+    second.join(5)
+    assert [*counted, _pacing._queues[origin].waiting] == [2, 1, 0]
+
+
+def test_a_thread_that_stops_waiting_hands_its_turn_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted in its sleep (Ctrl-C), the only request waiting at the router gives its turn back."""
+    here = ("http", "127.0.0.1", 1)
+    _busy(here, 0.5)
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_pacing, "time", SimpleNamespace(monotonic=time.monotonic, sleep=interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        _pacing.wait_here(here, "stopped", True)
+    assert "stopped" not in _pacing._turns and _pacing._queues[canonical_origin(*here)].waiting == 0
+    assert _pacing.delay(here, "next") <= _pacing.PACE
+
+
+def test_releasing_parents_never_met_releases_the_rest() -> None:
+    _pacing.delay(("http", "127.0.0.1", 1), "met")
+    _pacing.release(["never met", "met"])
+    _pacing.release(("never met either",))
+    assert not _pacing._turns
+
+
+def test_a_turn_whose_routers_queue_was_dropped_still_comes(clock: _Clock) -> None:
+    """Its router's queue dropped meanwhile (past ``ORIGINS_KEPT``, or ``forget``): the parent's
+    slot comes, and it leaves on a queue made afresh."""
+    here = ("http", "127.0.0.1", 1)
+    _pacing.delay(here, "a")
+    assert _pacing.delay(here, "b") == pytest.approx(_pacing.PACE)
+    _pacing._queues.clear()
+    clock.advance(_pacing.PACE)
+    assert _pacing.delay(here, "b") == 0.0 and not _pacing.waits("b")

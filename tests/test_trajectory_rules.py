@@ -44,6 +44,7 @@ from otel_session import (
     _fleet,
     _hop,
     _metrics,
+    _pacing,
     _siblings,
     _stock,
     _tracing,
@@ -250,6 +251,18 @@ def test_a_nested_attempt_names_the_outer_one_as_parent_in_baggage_and_on_its_sp
     inner_span, outer_span = spans.finished()
     assert (inner_span.attributes or {})["otel_session.parent_session_id"] == outer.session_id
     assert "otel_session.parent_session_id" not in (outer_span.attributes or {})
+
+
+def test_an_attempts_turn_as_a_parent_is_forgotten_as_it_ends() -> None:
+    """Attempts nested in this one named its session as their parent at a router (``_pacing``): the
+    turn goes with the attempt, however it ends; another parent's turn stays."""
+    here = ("http", "127.0.0.1", 1)
+    _pacing.delay(here, "someone else's")
+    with pytest.raises(KeyError), trajectory() as outer:
+        _pacing.delay(here, outer.session_id)
+        assert outer.session_id in _pacing._turns
+        raise KeyError("the episode fails")
+    assert list(_pacing._turns) == ["someone else's"]
 
 
 def test_re_entering_a_session_keeps_its_parent_and_adopting_the_grandparent_names_none() -> None:
