@@ -98,15 +98,16 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
     try:
         if not _eligible(offered, destination):
             return offered
+        on_a_loop = _waiting.loop_running()
         if _gathers_first(offered):
-            if _waiting.loop_running():
+            if on_a_loop:
                 return offered
             look = _entered(offered, body, destination)
             while look is not None and look.again():
                 time.sleep(SETTLE_THREADS)
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
-            _pacing.wait_here(_origin(destination), parent, sleep=not _waiting.loop_running())
+            _pacing.wait_here(_origin(destination), parent, sleep=not on_a_loop)
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
     return offered

@@ -71,7 +71,7 @@ async def wait(origin: Origin, parent: str) -> None:
     origin = canonical_origin(*origin)  # port None and 80, as clients spell them, are one router
     _count(origin, 1)
     try:
-        while (pause := delay(origin, parent)) > 0:
+        while (pause := _delay(origin, parent)) > 0:
             await asyncio.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -85,7 +85,7 @@ def wait_here(origin: Origin, parent: str, sleep: bool) -> None:
     origin = canonical_origin(*origin)
     _count(origin, 1)
     try:
-        while (pause := delay(origin, parent)) > 0 and sleep:
+        while (pause := _delay(origin, parent)) > 0 and sleep:
             time.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -97,7 +97,11 @@ def delay(origin: Origin, parent: str) -> float:
     """Seconds a request under ``parent`` to ``origin`` waits from now: until the parent's slot,
     taken now by the first request to ask; once the slot has come, until the parent leaves, ``PACE``
     after the last to leave there (siblings go with it)."""
-    origin = canonical_origin(*origin)
+    return _delay(canonical_origin(*origin), parent)
+
+
+def _delay(origin: Origin, parent: str) -> float:
+    """``delay`` at ``origin`` as ``canonical_origin`` spells it (what ``wait`` holds already)."""
     now = time.monotonic()
     with _lock:
         turn = _turns.get(parent)

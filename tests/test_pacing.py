@@ -171,7 +171,7 @@ def test_a_fault_of_ours_while_pacing_never_fails_the_request(
         raise RuntimeError("a bug of ours")
 
     monkeypatch.setattr(_faults, "_reported", set())  # reported once per process: start afresh
-    monkeypatch.setattr(_pacing, "delay", broken)
+    monkeypatch.setattr(_pacing, "_delay", broken)
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         _step(dynamo, prompts=2, siblings=2)
