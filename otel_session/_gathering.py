@@ -7,10 +7,11 @@ shape is the one opening now, and a GRPO step opens it all at once: its trajecto
 together (``asyncio.gather`` of one coroutine per attempt, or a pool of threads), so each reaches its
 first request to the router before the others have. That request counts the attempt in its group and
 waits: on an event loop it yields to the loop, so the step's other attempts reach theirs and count
-themselves too; in a thread it sleeps, while the other threads do the same. The router's fleet size
-(``_fleet``) is read meanwhile. The wait ends once a look ``SETTLE`` seconds after the last
-(``SETTLE_THREADS`` in a thread) finds no new attempt and the size known, or after ``WAIT``
-seconds; then K is chosen from the step open now. Only the first step gathers (until a group has
+themselves too, and one of them looks for all (``_Look.ended``); in a thread it sleeps, while the
+other threads do the same. The router's fleet size (``_fleet``) is read meanwhile, from the first
+attempt counted. The wait ends once a look ``SETTLE`` seconds after the last (``SETTLE_THREADS`` in
+a thread) finds no new attempt and the size known, or after ``WAIT`` seconds; then K is chosen from
+the step open now. Only the first step gathers (until a group has
 ended). Then the attempt is decided, and waits for its parent's turn at the router (``_pacing``), so
 the router places each new parent on a load that counts the last.
 Never on a thread that runs an event loop (a blocking client called from async code), and a request
@@ -78,11 +79,8 @@ async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destinatio
     its step's other attempts and the router's fleet size; then decide it and wait for its parent's
     turn at the router. The request is planned and sent after."""
     try:
-        look = _entered(offered, body, destination)
-        if look is not None:
-            await asyncio.sleep(0)  # the step's other attempts, started with this one, reach theirs
-            while look.again():
-                await asyncio.sleep(SETTLE)
+        if _counted(offered, body):
+            await _shared(_origin(destination)).ended()
         parent = _turn(offered, body, destination)[1]
         if parent is not None:
             await _pacing.wait(_origin(destination), parent)
@@ -102,9 +100,10 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
         if _gathers_first(offered):
             if on_a_loop:
                 return offered
-            look = _entered(offered, body, destination)
-            while look is not None and look.again():
-                time.sleep(SETTLE_THREADS)
+            if _counted(offered, body):
+                look = _Look(_origin(destination))
+                while look.again():
+                    time.sleep(SETTLE_THREADS)
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
             _pacing.wait_here(_origin(destination), parent, sleep=not on_a_loop)
@@ -114,14 +113,22 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
 
 
 class _Look:
-    """The wait's state: when it ends at the latest, and the attempts counted at the last look."""
+    """The wait's state: when it ends at the latest, and the attempts counted at the last look. On an
+    event loop one look per router is shared by the step's attempts (``_shared``): the first looks,
+    the others sleep until it is over, so a step of a thousand attempts wakes its loop once per
+    ``SETTLE``, not a thousand times (which starved the thread reading the fleet's size)."""
 
-    __slots__ = ("end", "origin", "seen")
+    __slots__ = ("end", "inside", "looking", "origin", "over", "seen", "waiting")
 
     def __init__(self, origin: _fleet.Origin) -> None:
         self.origin = origin
         self.end = time.monotonic() + WAIT
         self.seen = -1
+        self.looking = False  # an attempt of the step looks for every other (``ended``)
+        self.over = False
+        self.waiting: list[asyncio.Future[None]] = []  # the attempts sleeping until it is over
+        self.inside = 0  # attempts in ``ended``
+        _fleet.size_at(origin, False)  # the read starts now, while the step's other attempts arrive
 
     def again(self) -> bool:
         """Whether to look once more: an attempt arrived since the last look, or the size is unknown
@@ -139,14 +146,66 @@ class _Look:
         self.seen = now
         return True
 
+    async def ended(self) -> None:
+        """Until the look is over: the first attempt here looks every ``SETTLE`` (after the step's
+        other attempts, started with it, reach theirs); the others sleep until it is over. A looker
+        cancelled (its step cancelled) wakes the others, and one of them looks on. The look is no
+        longer shared once it is over or no attempt is inside it."""
+        loop = asyncio.get_running_loop()
+        self.inside += 1
+        try:
+            while not self.over:  # the looker's own bound (``WAIT``) ends it
+                if not self.looking:
+                    await self._look()
+                    return
+                woken = loop.create_future()
+                self.waiting.append(woken)
+                await woken
+        finally:
+            self.inside -= 1
+            key = (loop, self.origin)
+            if (self.over or not self.inside) and _looks.get(key) is self:
+                _looks.pop(key, None)  # this loop's key: only ``forget`` (another thread) may race
+
+    async def _look(self) -> None:
+        """Look every ``SETTLE`` until ``again`` says no, then wake the attempts sleeping on it."""
+        self.looking = True
+        try:
+            await asyncio.sleep(0)  # the step's other attempts, started with this one, reach theirs
+            while self.again():
+                await asyncio.sleep(SETTLE)
+            self.over = True
+        finally:
+            self.looking = False
+            waiting, self.waiting = self.waiting, []
+            for woken in waiting:
+                if not woken.done():  # a sleeper cancelled meanwhile
+                    woken.set_result(None)
+
+
+_looks: dict[tuple[asyncio.AbstractEventLoop, _fleet.Origin], _Look] = {}  # the step's, per loop
+
+
+def _shared(origin: _fleet.Origin) -> _Look:
+    """This event loop's look at ``origin`` for the step gathering now; a new one where none is under
+    way (a look over is no longer shared: a later group of the first step looks again, briefly, as
+    a thread's would)."""
+    key = (asyncio.get_running_loop(), origin)
+    look = _looks.get(key)
+    if look is None:
+        look = _looks[key] = _Look(origin)
+    return look
+
 
 ORIGINS_KEPT = 64
 _gave_up: set[_fleet.Origin] = set()  # routers whose size a wait gave up on (until ``forget``)
 
 
 def forget() -> None:
-    """Forget the routers given up on (``unconfigure()``): the next configuration waits afresh."""
+    """Forget the routers given up on and the looks under way (``unconfigure()``): the next
+    configuration waits afresh."""
     _gave_up.clear()
+    _looks.clear()
 
 
 def _gathers_first(offered: _hop.Offered) -> bool:
@@ -156,17 +215,14 @@ def _gathers_first(offered: _hop.Offered) -> bool:
     return holder is not None and holder.policy.sized and not _siblings.step_seen()
 
 
-def _entered(offered: _hop.Offered, body: Body, destination: _hop.Destination) -> _Look | None:
-    """In a first step still to gather, the attempt counted in its group; ``None`` elsewhere or
-    where it has none (a body with no prompt, a key that cannot be hashed): nothing to size,
-    nothing to wait for."""
+def _counted(offered: _hop.Offered, body: Body) -> bool:
+    """In a first step still to gather, the attempt counted in its group: whether it was (not where
+    it has no group: a body with no prompt, a key that cannot be hashed; nothing to size by)."""
     holder = offered.undecided
     if holder is None or not _gathers_first(offered):
-        return None
+        return False
     holder.enter(_prompts.key_of(body))
-    if holder.key is None:
-        return None
-    return _Look(_origin(destination))
+    return holder.key is not None
 
 
 def _origin(destination: _hop.Destination) -> _fleet.Origin:

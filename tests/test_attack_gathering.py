@@ -99,7 +99,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 import otel_session
-from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _siblings
+from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _gathering, _siblings
 from tests.gym_servers import AiohttpServer
 from tests.loopback import AsgiServer
 from tests.recorder import Recorder
@@ -620,7 +620,7 @@ def test_held_the_whole_step_cancelled_mid_wait_leaves_nothing_behind(dynamo: Re
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
     asyncio.run(cancelled())
-    assert _siblings.open_groups() == 0 and not dynamo.requests
+    assert _siblings.open_groups() == 0 and not dynamo.requests and _gathering._looks == {}
 
     async def again() -> float:
         began = time.monotonic()

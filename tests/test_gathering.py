@@ -250,9 +250,9 @@ def test_which_requests_wait_for_their_step() -> None:
     assert joined is not None
     _siblings.leave(joined[1])  # a group ended: a step is known, and no step gathers from now on
     assert _siblings.step_seen() and _gathering._eligible(_offered(), here)
-    assert _gathering._entered(_offered(), b'{"messages": []}', here) is None
+    assert not _gathering._counted(_offered(), b'{"messages": []}')
     _siblings.forget_shape()
-    assert _gathering._entered(_offered("groups:2"), b'{"messages": []}', here) is None  # K is fixed
+    assert not _gathering._counted(_offered("groups:2"), b'{"messages": []}')  # K is fixed
 
 
 def test_only_an_asyncio_task_gathers_asynchronously() -> None:
@@ -347,3 +347,116 @@ def test_a_look_past_its_bound_ends_with_attempts_still_arriving() -> None:
     look.seen = _siblings.joined() - 1  # an attempt arrived since the last look
     assert not look.again()
     assert not look.again()
+
+
+def test_a_thousand_attempts_on_one_loop_share_one_look(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """125 prompts x 8 siblings on one aiohttp session, ``/health`` answering in a quarter second: one
+    attempt looks for the step every ``SETTLE`` and the others sleep until it is over. When each
+    looked for itself the loop woke a thousand times every 5 ms, the thread reading ``/health`` got
+    so little of the interpreter that a 0.3 s answer took 0.8 s, and the step's first prompts, past
+    the half second, went paired (K=2) while the rest were sized (K=8) (a CI run on main)."""
+    dynamo.instances = 64
+    dynamo.health_delay = 0.25
+    looks: list[object] = []
+    again = _gathering._Look.again
+    monkeypatch.setattr(_gathering._Look, "again", lambda self: looks.append(self) or again(self))
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    _step(dynamo, prompts=125, siblings=8, client="aiohttp")
+    assert len(looks) <= _gathering.WAIT / _gathering.SETTLE + 10, len(looks)  # each its own: >= 2,000
+    parents = _parents(dynamo)
+    assert len(parents) == 125 and len(dynamo.requests) == 1000
+    assert all(len(named) == 1 and None not in named for named in parents.values()), parents  # K = 8
+    assert _gathering._looks == {}
+
+
+def test_a_looker_cancelled_hands_the_look_on(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attempt looking for the step is cancelled mid-look: the sleeping attempts wake, one of them
+    looks on in the same look (still the one a later attempt would join), and the step is sized as
+    it would have been (4 prompts x 4 on 4 workers: K = 4)."""
+    dynamo.instances = 4
+    dynamo.health_delay = 0.2
+    lookers: list[asyncio.Task[Any] | None] = []
+    again = _gathering._Look.again
+    monkeypatch.setattr(
+        _gathering._Look, "again", lambda self: lookers.append(asyncio.current_task()) or again(self)
+    )
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def attempt(http: httpx.AsyncClient, prompt: int, sibling: int) -> None:
+        body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+        async with otel_session.trajectory():
+            await http.post(f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=body, timeout=10)
+
+    async def run() -> list[asyncio.Task[None]]:
+        async with httpx.AsyncClient() as http:
+            tasks = [asyncio.create_task(attempt(http, p, s)) for p in range(4) for s in range(4)]
+            await asyncio.sleep(0.05)
+            shared = list(_gathering._looks.values())
+            tasks[0].cancel()
+            await asyncio.sleep(0.01)
+            assert list(_gathering._looks.values()) == shared  # still the step's one look
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return tasks
+
+    tasks = asyncio.run(run())
+    assert tasks[0].cancelled() and lookers[0] is tasks[0]
+    assert set(lookers) - {tasks[0]}, "no attempt looked on"
+    parents = _parents(dynamo)
+    assert len(dynamo.requests) == 15
+    assert all(len(named) == 1 and None not in named for named in parents.values()), parents
+    assert _gathering._looks == {}
+
+
+def test_a_whole_step_cancelled_mid_look_shares_nothing_after(dynamo: Recorder) -> None:
+    """Three attempts (an odd count: a look that forgot to count one out would stay), cancelled while
+    ``/health`` has not answered: the look is no longer shared (its loop is gone with it)."""
+    dynamo.instances = 4
+    dynamo.health_delay = 0.3
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+
+    async def cancelled() -> None:
+        async with httpx.AsyncClient() as http:
+
+            async def attempt(sibling: int) -> None:
+                async with otel_session.trajectory(group="g"):
+                    await http.post(f"{dynamo.url}/p0/s{sibling}/v1/chat/completions", json={}, timeout=10)
+
+            step = asyncio.gather(*(attempt(s) for s in range(3)))
+            await asyncio.sleep(0.05)
+            assert len(_gathering._looks) == 1
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+
+    asyncio.run(cancelled())
+    assert _gathering._looks == {} and not dynamo.requests
+
+
+def test_an_attempt_leaving_a_look_over_leaves_the_next_look_shared() -> None:
+    """An attempt of a look that is over leaves after a later group opened the next look on the same
+    loop and router: the next stays shared (else the later group's own attempts would each open one)."""
+    origin = ("http", "127.0.0.1", 9)
+
+    async def run() -> None:
+        key = (asyncio.get_running_loop(), origin)
+        old, new = _gathering._Look(origin), _gathering._Look(origin)
+        old.over = True
+        _gathering._looks[key] = new
+        await old.ended()
+        assert _gathering._looks[key] is new
+        _gathering._looks.clear()
+
+    asyncio.run(run())
+
+
+def test_a_look_starts_reading_the_fleet_size_as_it_is_made(dynamo: Recorder) -> None:
+    """The read starts as the step's first attempt is counted, not after the step's other attempts
+    have reached theirs (a thousand of them take a tenth of a second on this machine)."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    _gathering._Look(("http", "127.0.0.1", dynamo.port))
+    deadline = time.monotonic() + 5
+    while not dynamo.health_reads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(dynamo.health_reads) == 1
