@@ -4,24 +4,27 @@ gather before its sibling groups are sized, and in every step for its parent's t
 ``auto`` (the default) and ``fleet`` size sibling groups to the fleet from the shape of a step: how
 many groups are open at once and how many siblings each has. Before any step has ended the only
 shape is the one opening now, and a GRPO step opens it all at once: its trajectories are started
-together (``asyncio.gather`` of one coroutine per attempt, or a pool of threads), so each reaches its
-first request to the router before the others have. That request counts the attempt in its group and
-waits: on an event loop it yields to the loop, so the step's other attempts reach theirs and count
-themselves too, and one of them looks for all (``_Look.ended``); in a thread it sleeps, while the
-other threads do the same. The router's fleet size (``_fleet``) is read meanwhile, from the first
-attempt counted. The wait ends once a look ``SETTLE`` seconds after the last (``SETTLE_THREADS`` in
-a thread) finds no new attempt and the size known, or after ``WAIT`` seconds; then K is chosen from
-the step open now. Only the first step gathers (until a group has
-ended). Then the attempt is decided, and waits for its parent's turn at the router (``_pacing``), so
-the router places each new parent on a load that counts the last.
-Never on a thread that runs an event loop (a blocking client called from async code), and a request
-that waits here only ever waits, never fails.
+together (``asyncio.gather`` of one coroutine per attempt, or a pool of threads), so each reaches
+its first request to the router before the others have. That request counts the attempt in its group
+and waits: on an event loop it yields to the loop, so the step's other attempts reach theirs and
+count themselves too, and one of them looks for all (``_Look.ended``); in a thread it sleeps, and
+one of the step's threads looks for all (``_Look.ended_here``). The router's fleet size (``_fleet``)
+is read meanwhile, from the first attempt counted. The wait ends once a look ``SETTLE`` seconds
+after the last (``SETTLE_THREADS`` in a thread) finds no new attempt and the size known, or after
+``WAIT`` seconds; then K is chosen from the step open now. Only the first step gathers (until a
+group has ended). Then the attempt is decided, and waits for its parent's turn at the router
+(``_pacing``), so the router places each new parent on a load that counts the last. Never on a
+thread that runs an event loop (a blocking client called from async code), and a request that waits
+here only ever waits, never fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
+import weakref
 
 from otel_session import _faults, _fleet, _hop, _pacing, _prompts, _siblings, _waiting
 
@@ -101,9 +104,7 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
             if on_a_loop:
                 return offered
             if _counted(offered, body):
-                look = _Look(_origin(destination))
-                while look.again():
-                    time.sleep(SETTLE_THREADS)
+                _shared_here(_origin(destination)).ended_here()
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
             _pacing.wait_here(_origin(destination), parent, sleep=not on_a_loop)
@@ -113,12 +114,13 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
 
 
 class _Look:
-    """The wait's state: when it ends at the latest, and the attempts counted at the last look. On an
-    event loop one look per router is shared by the step's attempts (``_shared``): the first looks,
-    the others sleep until it is over, so a step of a thousand attempts wakes its loop once per
-    ``SETTLE``, not a thousand times (which starved the thread reading the fleet's size)."""
+    """The wait's state: when it ends at the latest, and the attempts counted at the last look. One
+    look per router is shared by the step's attempts on one event loop (``_shared``), or in the
+    process's threads (``_shared_here``): the first looks, the others sleep until it is over, so a
+    step of a thousand attempts wakes once per ``SETTLE``, not a thousand times (which starved the
+    thread reading the fleet's size)."""
 
-    __slots__ = ("end", "inside", "looking", "origin", "over", "seen", "waiting")
+    __slots__ = ("__weakref__", "done", "end", "inside", "looking", "origin", "over", "seen", "waiting")
 
     def __init__(self, origin: _fleet.Origin) -> None:
         self.origin = origin
@@ -127,6 +129,7 @@ class _Look:
         self.looking = False  # an attempt of the step looks for every other (``ended``)
         self.over = False
         self.waiting: list[asyncio.Future[None]] = []  # the attempts sleeping until it is over
+        self.done = threading.Event()  # ... the threads sleeping until it is over
         self.inside = 0  # attempts in ``ended``
         _fleet.size_at(origin, False)  # the read starts now, while the step's other attempts arrive
 
@@ -163,7 +166,7 @@ class _Look:
                 await woken
         finally:
             self.inside -= 1
-            key = (loop, self.origin)
+            key = (id(loop), self.origin)
             if (self.over or not self.inside) and _looks.get(key) is self:
                 _looks.pop(key, None)  # this loop's key: only ``forget`` (another thread) may race
 
@@ -178,23 +181,72 @@ class _Look:
         finally:
             self.looking = False
             waiting, self.waiting = self.waiting, []
-            for woken in waiting:
-                if not woken.done():  # a sleeper cancelled meanwhile
+            for woken in waiting:  # not one cancelled meanwhile, nor on a loop closed under it
+                if not woken.done() and not woken.get_loop().is_closed():
                     woken.set_result(None)
 
 
-_looks: dict[tuple[asyncio.AbstractEventLoop, _fleet.Origin], _Look] = {}  # the step's, per loop
+    def ended_here(self) -> None:
+        """``ended`` for a thread (counted inside by ``_shared_here``): the first thread here looks
+        every ``SETTLE_THREADS``; the others sleep until it is over, at most until its bound. A
+        looker that raised (interrupted) wakes the others, and one of them looks on."""
+        try:
+            while not self.over and time.monotonic() < self.end + SETTLE_THREADS:
+                with _lock:
+                    look = not self.looking
+                    if look:
+                        self.looking = True
+                        self.done.clear()
+                if look:
+                    self._look_here()
+                    return
+                self.done.wait(self.end + SETTLE_THREADS - time.monotonic())
+        finally:
+            with _lock:
+                self.inside -= 1
+                if (self.over or not self.inside) and _looks.get((None, self.origin)) is self:
+                    del _looks[None, self.origin]
+
+    def _look_here(self) -> None:
+        """``_look`` for a thread: look every ``SETTLE_THREADS`` until ``again`` says no, then wake
+        the threads sleeping on it."""
+        try:
+            while self.again():
+                time.sleep(SETTLE_THREADS)
+            self.over = True
+        finally:
+            with _lock:
+                self.looking = False
+            self.done.set()
+
+
+# The step's look per event loop (its id) and router; ``None`` for the loop: the process's threads'.
+# Weak: a loop closed with its attempts still inside a look (``loop.close()`` without cancelling its
+# tasks) and dropped takes its look with it, where a strong table would keep both.
+_looks: weakref.WeakValueDictionary[tuple[int | None, _fleet.Origin], _Look] = weakref.WeakValueDictionary()
+_lock = threading.Lock()  # the threads' look: who looks, who is inside
 
 
 def _shared(origin: _fleet.Origin) -> _Look:
     """This event loop's look at ``origin`` for the step gathering now; a new one where none is under
     way (a look over is no longer shared: a later group of the first step looks again, briefly, as
     a thread's would)."""
-    key = (asyncio.get_running_loop(), origin)
+    key = (id(asyncio.get_running_loop()), origin)
     look = _looks.get(key)
     if look is None:
         look = _looks[key] = _Look(origin)
     return look
+
+
+def _shared_here(origin: _fleet.Origin) -> _Look:
+    """The threads' look at ``origin`` for the step gathering now, this thread counted inside it; a
+    new one where none is under way."""
+    with _lock:
+        look = _looks.get((None, origin))
+        if look is None or look.over:  # over, its looker not yet out: a later group looks again
+            look = _looks[None, origin] = _Look(origin)
+        look.inside += 1
+        return look
 
 
 ORIGINS_KEPT = 64
@@ -206,6 +258,18 @@ def forget() -> None:
     configuration waits afresh."""
     _gave_up.clear()
     _looks.clear()
+
+
+def _forget_in_child() -> None:
+    """``os.register_at_fork`` hook, in a forked child: a fresh lock (another thread of the parent may
+    have held it as it forked) and no looks (the parent's threads are not in the child)."""
+    global _lock
+    _lock = threading.Lock()
+    _looks.clear()
+
+
+if hasattr(os, "register_at_fork"):  # where processes fork (not on Windows)
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _gathers_first(offered: _hop.Offered) -> bool:

@@ -7,9 +7,13 @@ bounded, and never fail for it. Over loopback to a recording server that lists i
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import os
+import signal
 import threading
 import time
+import weakref
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -439,7 +443,7 @@ def test_an_attempt_leaving_a_look_over_leaves_the_next_look_shared() -> None:
     origin = ("http", "127.0.0.1", 9)
 
     async def run() -> None:
-        key = (asyncio.get_running_loop(), origin)
+        key = (id(asyncio.get_running_loop()), origin)
         old, new = _gathering._Look(origin), _gathering._Look(origin)
         old.over = True
         _gathering._looks[key] = new
@@ -460,3 +464,149 @@ def test_a_look_starts_reading_the_fleet_size_as_it_is_made(dynamo: Recorder) ->
     while not dynamo.health_reads and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(dynamo.health_reads) == 1
+
+
+def _thread_step(dynamo: Recorder, prompts: int, siblings: int) -> None:
+    """``prompts`` x ``siblings`` attempts, one thread each, reaching their first request together
+    on one ``httpx.Client`` (a rollout pool's), one request each."""
+    ready = threading.Barrier(prompts * siblings)
+    with httpx.Client(timeout=30) as http:
+
+        def attempt(prompt: int, sibling: int) -> None:
+            body = {"model": "m", "messages": [{"role": "user", "content": f"task {prompt}"}]}
+            with otel_session.trajectory():
+                ready.wait(30)
+                http.post(f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=body)
+
+        threads = [
+            threading.Thread(target=attempt, args=(p, s)) for p in range(prompts) for s in range(siblings)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+
+
+def test_a_steps_threads_share_one_look(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 prompts x 8 siblings, a thread each, ``/health`` answering in a quarter second: one thread
+    looks for the step every ``SETTLE_THREADS`` and the others sleep until it is over (each thread
+    looking for itself woke the process 20,000 times a second for a thousand threads)."""
+    dynamo.instances = 32
+    dynamo.health_delay = 0.25
+    looks: list[object] = []
+    again = _gathering._Look.again
+    monkeypatch.setattr(_gathering._Look, "again", lambda self: looks.append(self) or again(self))
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    _thread_step(dynamo, prompts=32, siblings=8)
+    assert len(looks) <= _gathering.WAIT / _gathering.SETTLE_THREADS + 5, len(looks)  # each its own: >= 512
+    assert len(set(map(id, looks))) <= 3, len(set(map(id, looks)))  # a straggler may open a second
+    parents = _parents(dynamo)
+    assert len(parents) == 32 and len(dynamo.requests) == 256
+    assert all(len(named) == 1 and None not in named for named in parents.values()), parents  # K = 8
+    assert _gathering._looks == {}
+
+
+def test_a_thread_looking_for_the_step_that_fails_hands_the_look_on(
+    dynamo: Recorder, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread looking for the step meets a fault of ours: its request goes on (one line), and a
+    thread sleeping on the look wakes and looks on in the same look, so the others leave as the
+    look ends, not at its bound."""
+    dynamo.instances = 2
+    dynamo.health_delay = 0.15
+    calls: list[object] = []
+    again = _gathering._Look.again
+
+    def failing_once(self: Any) -> bool:
+        calls.append(self)
+        if len(calls) == 3:  # the step's threads have all arrived: the looker fails mid-look
+            raise RuntimeError("a bug of ours")
+        return again(self)
+
+    monkeypatch.setattr(_gathering._Look, "again", failing_once)
+    monkeypatch.setattr(_faults, "_reported", set())  # reported once per process: start afresh
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        began = time.monotonic()
+        _thread_step(dynamo, prompts=2, siblings=4)
+        took = time.monotonic() - began
+    assert took < _gathering.WAIT - 0.1, took  # /health in 0.15 s: over by ~0.25 s
+    assert len(calls) > 3  # looked on after the fault
+    assert len(set(map(id, calls))) == 1  # in the same look
+    fault = "otel-session: waiting for a first step or a parent's turn failed (RuntimeError);"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(fault)]
+    assert len(said) == 1, said
+    assert len(dynamo.requests) == 8 and _gathering._looks == {}
+    assert None not in {seen.get(SESSION_HEADER) for seen in dynamo.requests}
+
+
+def test_a_thread_of_a_look_over_opens_the_next() -> None:
+    """A thread counted as the step's look ends (over, its looker not yet out) opens a new look
+    rather than joining one over, and leaving the old look leaves the new one shared."""
+    origin = ("http", "127.0.0.1", 9)
+    old = _gathering._shared_here(origin)
+    old.over = True
+    new = _gathering._shared_here(origin)
+    assert new is not old and new.inside == 1 and old.inside == 1
+    old.ended_here()
+    assert _gathering._looks[None, origin] is new and old.inside == 0
+    new.ended_here()  # no fleet size read on a closed port: looks to its bound, alone
+    assert _gathering._looks == {} and new.over and new.inside == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_held_the_looks_lock_gathers_on() -> None:
+    """A rollout worker forked while another thread entered the threads' look: the child's threads
+    make a look of their own (the lock it inherited held is not its own, the look not its step's)."""
+    origin = ("http", "127.0.0.1", 9)
+    _gathering._shared_here(origin)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _gathering._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            code = 0 if _gathering._shared_here(origin).inside == 1 else 2
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(10)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the lock it inherited")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    _gathering.forget()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no traceback either
+def test_a_loop_closed_with_its_attempts_inside_a_look_takes_the_look_with_it(dynamo: Recorder) -> None:
+    """An event loop closed without cancelling its tasks (``loop.close()``, not ``asyncio.run``) while
+    a step's attempts are inside a look, then dropped: nothing of ours keeps the loop or its look."""
+    dynamo.health_delay = 3.0  # the size unknown: the look runs on
+    origin = ("http", "127.0.0.1", dynamo.port)
+
+    async def attempt() -> None:
+        await _gathering._shared(origin).ended()
+
+    loop = asyncio.new_event_loop()
+    tasks = [loop.create_task(attempt()) for _ in range(3)]
+    loop.run_until_complete(asyncio.sleep(0.02))  # all three inside: one looks, two sleep on it
+    assert len(_gathering._looks) == 1 and not any(task.done() for task in tasks)
+    dropped = weakref.ref(loop)
+    loop.close()
+    del loop, tasks
+    gc.collect()
+    assert dropped() is None
+    assert _gathering._looks == {}
