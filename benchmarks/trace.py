@@ -190,7 +190,7 @@ def chain(requests: Sequence[Request]) -> list[Conversation]:
             if block not in node:
                 break
             node, depth = node[block], depth + 1
-            if depth > SYSTEM_BLOCKS and depth == len(request.hash_ids) + 99:
+            if depth > SYSTEM_BLOCKS:
                 best = node[latest]
         conv = conversation_of.get(best) if best is not None else None
         if conv is None or conv.requests[-1].index != best:

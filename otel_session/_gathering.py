@@ -193,31 +193,23 @@ class _Look:
         try:
             while not self.over and time.monotonic() < self.end + SETTLE_THREADS:
                 with _lock:
-                    look = not self.looking
-                    if look:
-                        self.looking = True
-                        self.done.clear()
-                if look:
-                    self._look_here()
-                    return
-                self.done.wait(self.end + SETTLE_THREADS - time.monotonic())
+                    look, self.looking = not self.looking, True
+                if not look:
+                    self.done.wait(self.end + SETTLE_THREADS - time.monotonic())
+                    continue
+                self.done.clear()
+                try:
+                    while self.again():
+                        time.sleep(SETTLE_THREADS)
+                    self.over = True
+                finally:
+                    self.looking = False
+                    self.done.set()
         finally:
             with _lock:
                 self.inside -= 1
                 if (self.over or not self.inside) and _looks.get((None, self.origin)) is self:
                     del _looks[None, self.origin]
-
-    def _look_here(self) -> None:
-        """``_look`` for a thread: look every ``SETTLE_THREADS`` until ``again`` says no, then wake
-        the threads sleeping on it."""
-        try:
-            while self.again():
-                time.sleep(SETTLE_THREADS)
-            self.over = True
-        finally:
-            with _lock:
-                self.looking = False
-            self.done.set()
 
 
 # The step's look per event loop (its id) and router; ``None`` for the loop: the process's threads'.

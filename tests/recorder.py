@@ -59,6 +59,7 @@ class Recorder(Served):
     health_reads: list[dict[str, str]] = field(default_factory=list)  # the headers of each GET /health
     health_delay: float = 0.0  # seconds /health takes to answer
     _served: AsgiServer | None = None
+    _stopping: bool = False  # a /health still delayed answers at once: the server stops without waiting
 
     @property
     def url(self) -> str:
@@ -72,7 +73,9 @@ class Recorder(Served):
             request.url.path == "/health"
         ):  # otel-session reading the fleet's size, not a request of the test's
             self.health_reads.append(dict(request.headers))
-            await asyncio.sleep(self.health_delay)
+            answer_at = time.monotonic() + self.health_delay
+            while not self._stopping and (left := answer_at - time.monotonic()) > 0:
+                await asyncio.sleep(min(left, 0.02))
             if self.instances:
                 listed = [{"endpoint": "generate", "instance_id": 7000 + i} for i in range(self.instances)]
                 return JSONResponse({"status": "healthy", "instances": listed})
@@ -94,12 +97,14 @@ class Recorder(Served):
         return JSONResponse({"ok": True})
 
     def start(self) -> Recorder:
+        self._stopping = False
         app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST", "PUT"])])
         self._served = AsgiServer(app, host=self.host, port=self.port, tls=self.tls).__enter__()
         self.port = self._served.port
         return self
 
     def stop(self) -> None:
+        self._stopping = True
         if self._served is not None:
             self._served.__exit__()
 
