@@ -69,6 +69,7 @@ import math
 import os
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -222,13 +223,11 @@ def siblings_of(keying: str, cell: Cell) -> str | None:
     return None if keying == "default" else keying
 
 
-def group_size(setting: str, cell: Cell, step: int = 0) -> int | None:
+def group_size(setting: str, cell: Cell) -> int | None:
     """Siblings under one parent for a siblings setting as the library spells it (``None``: none).
-    ``auto`` and ``fleet`` size K from the step before (each step of a run has the cell's shape): in
-    the first, ``auto`` pairs siblings and ``fleet`` sends no session."""
+    ``auto`` and ``fleet`` size K from the step itself in the first step (gathered before its groups
+    are sized) and from the step before in the others: the cell's shape either way."""
     if setting in ("auto", "fleet"):
-        if step == 0:
-            return 2 if setting == "auto" else None
         setting = siblings_setting(cell.workers, cell.prompts, cell.siblings)
     if setting == "prompt":
         return cell.siblings
@@ -267,6 +266,7 @@ def measure(
         if r.turns:
             by_prompt.setdefault(r.prompt_index, set()).add(r.turns[0].worker)
     together: float | None = None
+    busiest: int | None = None
     if group:
         first_workers: dict[tuple[int, int], set[int | None]] = {}
         for r in results:
@@ -276,8 +276,12 @@ def measure(
         together = (
             sum(len(w) == 1 for w in first_workers.values()) / len(first_workers) if first_workers else 0.0
         )
+        # Where each group was placed: two groups on one worker (a collision) crowd the step.
+        placed = Counter(next(iter(w)) for w in first_workers.values() if len(w) == 1)
+        busiest = max(placed.values(), default=0)
     return {
         "groups_together": together,
+        "groups_on_busiest_worker": busiest,
         "trajectories": len(results),
         "errors": sum(r.error is not None for r in results),
         "first_error": next((r.error[:300] for r in results if r.error), None),
@@ -344,7 +348,7 @@ def _row(
     step: int,
     steps: int,
 ) -> dict[str, Any]:
-    size = group_size(setting, cell, step)
+    size = group_size(setting, cell)
     shape = {k: v for k, v in asdict(workload).items() if k not in ("prompts", "siblings", "seed")}
     return {
         **asdict(cell),

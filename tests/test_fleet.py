@@ -97,8 +97,19 @@ def test_one_busy_worker_is_unbalanced() -> None:
     assert fig["balance"] == pytest.approx(4.0) and fig["peak_in_flight"] == 2.0
 
 
+def test_groups_placed_on_one_worker_are_counted() -> None:
+    """Four groups of two: two of them placed on worker 5 (a collision), the others apart; a group
+    split over workers is not placed."""
+    first = {(0, 0): 5, (0, 1): 5, (0, 2): 5, (0, 3): 5, (1, 0): 6, (1, 1): 6, (1, 2): 7, (1, 3): 8}
+    results = [_traj(p, s, [_req(0, w, 100, 0, 0.0, 1.0)]) for (p, s), w in first.items()]
+    fig = measure(results, workers=8, wall=1.0, group=2)
+    assert fig["groups_on_busiest_worker"] == 2 and fig["groups_together"] == pytest.approx(3 / 4)
+    assert measure(results, workers=8, wall=1.0)["groups_on_busiest_worker"] is None  # no groups
+
+
 def test_group_sizes_and_the_auto_arm() -> None:
     cell = Cell(workers=32, blocks=1024, prompts=16, siblings=8)
+    assert group_size("auto", cell) == group_size("fleet", cell) == 4  # the first step gathered too
     assert group_size("none", cell) is None and group_size("attempt", cell) is None
     assert group_size("prompt", cell) == 8 and group_size("groups:2", cell) == 2
     assert group_size("groups:16", cell) == 8
@@ -128,8 +139,9 @@ def test_quick_run_on_a_real_fleet(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["cpu_busy"] is None or 0.0 <= r["cpu_busy"] <= 1.0, r  # type: ignore[operator]
     assert "| step s (spread) | x kv (paired) | x rr |" in out
     default = next(r for r in rows if r["arm"] == "kv+default")
-    assert default["siblings_setting"] == "auto" and default["group_size"] == 2  # pairs: no step seen yet
+    assert default["siblings_setting"] == "auto" and default["group_size"] == 2  # 8 workers, 4 prompts
     assert default["groups_together"] == 1.0  # each pair of siblings named one parent: one worker
+    assert 1 <= default["groups_on_busiest_worker"] <= 8  # type: ignore[operator]
     kv = next(r for r in rows if r["arm"] == "kv+attempt")
     rr = next(r for r in rows if r["arm"] == "rr")
     assert kv["hit_rate"] > rr["hit_rate"]  # type: ignore[operator]
