@@ -45,6 +45,7 @@ The arms (what the frontend runs, what otel-session sends):
                            or hashing X-Dynamo-Session-ID consistently; 3fe-parent: hashing the
                            parent session where a request names one (a sibling group reaches one
                            frontend), else the session; -sync: --router-replica-sync
+    .../pace40             an EXPERIMENT: new parents paced 40 ms apart at a router, not the library's 10
 
 Arms of one repeat see the same text on a cold fleet; repeats use new text and rotate the arms'
 order. Per run: the step's makespan (first request sent to last response: a GRPO step waits for its
@@ -70,7 +71,7 @@ import os
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ class Arm:
     frontends: int = 1  # more than one: replicas behind nginx, balancing as below
     balancer: harness.Balancer = "rr"  # "rr", "hash" (X-Dynamo-Session-ID), "parent" (parent, else session)
     name_group: bool = True  # trajectory(group=prompt); False: a plain trajectory(), the group inferred
+    pace: float | None = None  # an EXPERIMENT: seconds between new parents at a router (the library's: 0.01)
 
     @property
     def deployment(self) -> harness.Deployment:
@@ -166,6 +168,15 @@ ARMS: dict[str, Arm] = {
         Arm("3fe-sync:kv+default", "kv", "default", frontends=3, frontend_args=_SYNC),
         Arm(
             "3fe-parent-sync:kv+default", "kv", "default", frontends=3, balancer="parent", frontend_args=_SYNC
+        ),
+        Arm(
+            "3fe-parent-sync:kv+default/pace40",
+            "kv",
+            "default",
+            frontends=3,
+            balancer="parent",
+            frontend_args=_SYNC,
+            pace=0.04,
         ),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
@@ -318,7 +329,7 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0, steps: int = 
     ``steps`` GRPO steps on it one after another under one configuration, each with prompts of its
     own: what the library learns in one step (``fleet``'s shape) serves the next, as in training."""
     rows = []
-    with harness.stack(arm.deployment, cell.workers, cell.blocks, speedup) as served:
+    with harness.stack(arm.deployment, cell.workers, cell.blocks, speedup) as served, _paced(arm.pace):
         setting = "none"
         if arm.keying != "none":
             settings = otel_session.configure(
@@ -334,6 +345,22 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0, steps: int = 
         finally:
             otel_session.unconfigure()
     return rows
+
+
+@contextlib.contextmanager
+def _paced(pace: float | None) -> Iterator[None]:
+    """The library's pacing with ``pace`` seconds between new parents (an experiment of the
+    benchmark's, no setting of the library's), as it was after."""
+    if pace is None:
+        yield
+        return
+    from otel_session import _pacing
+
+    kept, _pacing.PACE = _pacing.PACE, pace
+    try:
+        yield
+    finally:
+        _pacing.PACE = kept
 
 
 def _row(

@@ -415,10 +415,12 @@ def test_a_looker_cancelled_hands_the_look_on(dynamo: Recorder, monkeypatch: pyt
 
 def test_a_whole_step_cancelled_mid_look_shares_nothing_after(dynamo: Recorder) -> None:
     """Three attempts (an odd count: a look that forgot to count one out would stay), cancelled while
-    ``/health`` has not answered: the look is no longer shared (its loop is gone with it)."""
+    ``/health`` has not answered: the look is no longer shared, at once, though something still holds
+    it (the table is weak, but the next step must not hinge on when the collector runs)."""
     dynamo.instances = 4
     dynamo.health_delay = 0.3
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
+    held: list[object] = []
 
     async def cancelled() -> None:
         async with httpx.AsyncClient() as http:
@@ -430,11 +432,13 @@ def test_a_whole_step_cancelled_mid_look_shares_nothing_after(dynamo: Recorder) 
             step = asyncio.gather(*(attempt(s) for s in range(3)))
             await asyncio.sleep(0.05)
             assert len(_gathering._looks) == 1
+            held.extend(_gathering._looks.values())
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
+            assert _gathering._looks == {}
 
     asyncio.run(cancelled())
-    assert _gathering._looks == {} and not dynamo.requests
+    assert _gathering._looks == {} and not dynamo.requests and held[0].inside == 0  # type: ignore[attr-defined]
 
 
 def test_an_attempt_leaving_a_look_over_leaves_the_next_look_shared() -> None:
@@ -610,3 +614,50 @@ def test_a_loop_closed_with_its_attempts_inside_a_look_takes_the_look_with_it(dy
     gc.collect()
     assert dropped() is None
     assert _gathering._looks == {}
+
+
+def test_threads_leaving_a_look_not_over_drop_it_as_the_last_leaves() -> None:
+    """Two threads in a look that ended without being over (past its bound, nobody looking): the
+    first to leave keeps it shared, the last drops it at once (held elsewhere, it is still no longer
+    shared)."""
+    origin = ("http", "127.0.0.1", 9)
+    look = _gathering._shared_here(origin)
+    assert _gathering._shared_here(origin) is look and look.inside == 2
+    look.end = time.monotonic() - 1.0
+    look.ended_here()
+    assert _gathering._looks[None, origin] is look and look.inside == 1
+    look.ended_here()
+    assert (None, origin) not in _gathering._looks and look.inside == 0 and not look.over
+
+
+class _CountedEvent(threading.Event):
+    """An event that counts the waits on it."""
+
+    waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_a_thread_whose_looker_vanished_waits_to_the_bound_once() -> None:
+    """A thread sleeping on a look whose looker never wakes it (gone without a word) leaves at the
+    look's bound (plus one look), in one wait, not before and never hanging."""
+    origin = ("http", "127.0.0.1", 9)
+    look = _gathering._shared_here(origin)
+    look.looking = True  # someone else looks, and never says it is over
+    look.done = _CountedEvent()
+    look.end = time.monotonic() + _gathering.SETTLE_THREADS / 2  # within one look of its bound
+    left: list[float] = []
+
+    def sleep_on_it() -> None:
+        look.ended_here()
+        left.append(time.monotonic())
+
+    thread = threading.Thread(target=sleep_on_it, daemon=True)  # a mutant that hangs must not hang pytest
+    thread.start()
+    thread.join(3)
+    assert left, "the thread hung on a look nobody was looking for"
+    assert look.end <= left[0] < look.end + _gathering.SETTLE_THREADS + 0.15, left[0] - look.end
+    assert look.done.waits <= 2, look.done.waits
+    _gathering.forget()
