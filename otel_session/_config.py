@@ -52,6 +52,7 @@ def configure(
     trajectory_functions: Iterable[str] | str | None = None,
     siblings: str | None = None,
     strict_affinity: bool | None = None,
+    pace_ms: float | None = None,
 ) -> Settings:
     """Deliver each trajectory's session to its routers and its baggage to ``trusted_hosts``.
 
@@ -68,8 +69,10 @@ def configure(
     default, ``fleet``, ``groups:K``, ``prompt`` or ``attempt``) says how attempts of one group
     (``trajectory(group=...)``, or the same first prompt) name a parent session. ``strict_affinity``
     (``OTEL_SESSION_STRICT_AFFINITY``, unset: off) keeps a session pinned after its router refused it
-    for want of room (Dynamo's 529), so the client's retries get the same error. Raises
-    ``ValueError`` naming a bad argument or variable.
+    for want of room (Dynamo's 529), so the client's retries get the same error. ``pace_ms``
+    (``OTEL_SESSION_PACE_MS``, 10 by default; 0 to 1,000) spaces new parents' first requests at a
+    router: 40 behind several frontends that share their load views late. Raises ``ValueError``
+    naming a bad argument or variable.
     """
     settings, warnings = _settings.build(
         dynamo_hosts,
@@ -81,6 +84,7 @@ def configure(
         trajectory_functions,
         siblings,
         strict_affinity,
+        pace_ms,
     )
     install(settings, warnings)
     return settings

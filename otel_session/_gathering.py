@@ -15,7 +15,8 @@ after the last (``SETTLE_THREADS`` in a thread) finds no new attempt and the siz
 group has ended). Then the attempt is decided, and waits for its parent's turn at the router
 (``_pacing``), so the router places each new parent on a load that counts the last. Never on a
 thread that runs an event loop (a blocking client called from async code), and a request that waits
-here only ever waits, never fails.
+here only ever waits, never fails. (Over 300 lines: one wait in its two forms, on an event loop and
+in threads, side by side as ``_pacing`` has them, so the two cannot drift apart.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import threading
 import time
 import weakref
 
-from otel_session import _faults, _fleet, _hop, _pacing, _prompts, _siblings, _waiting
+from otel_session import _faults, _fleet, _hop, _pacing, _prompts, _settings, _siblings, _waiting
 
 Body = bytes | bytearray | memoryview | str | None  # a request's body, where it is held in memory
 
@@ -86,7 +87,7 @@ async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destinatio
             await _shared(_origin(destination)).ended()
         parent = _turn(offered, body, destination)[1]
         if parent is not None:
-            await _pacing.wait(_origin(destination), parent)
+            await _pacing.wait(_origin(destination), parent, _pace())
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
 
@@ -107,7 +108,7 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
                 _shared_here(_origin(destination)).ended_here()
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
-            _pacing.wait_here(_origin(destination), parent, sleep=not on_a_loop)
+            _pacing.wait_here(_origin(destination), parent, not on_a_loop, _pace())
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
     return offered
@@ -279,6 +280,12 @@ def _counted(offered: _hop.Offered, body: Body) -> bool:
         return False
     holder.enter(_prompts.key_of(body))
     return holder.key is not None
+
+
+def _pace() -> float:
+    """Seconds between new parents at a router, as configured."""
+    settings = _settings.current
+    return _pacing.PACE if settings is None else settings.pace
 
 
 def _origin(destination: _hop.Destination) -> _fleet.Origin:

@@ -4,11 +4,12 @@ Dynamo places a new session on the load it sees, and sessions that reach it with
 milliseconds of each other are placed on a view that has not yet counted the ones just placed: a
 GRPO step opens all its groups at once, and that burst of new parents lands unevenly (three groups
 on one worker, one on another), so the step waits for the crowded worker. The first request under a
-parent takes the parent's turn, a slot ``PACE`` after the last parent's at its router, and every
-request under the parent waits for it; as the slot comes the parent leaves ``PACE`` after the last
-parent that left there (slots that passed while an event loop was busy would otherwise go together),
-so the router counts each parent before it places the next (docs/performance.md, "New parents,
-paced"). No request waits more than ``SPREAD``: parents past it go together at its end, as a burst
+parent takes the parent's turn, a slot a pace (``PACE``, or ``OTEL_SESSION_PACE_MS``) after the
+last parent's at its router, and every request under the parent waits for it; as the slot comes the
+parent leaves a pace after the last parent that left there (slots that passed while an event loop
+was busy would otherwise go together), so the router counts each parent before it places the next
+(docs/performance.md, "New parents, paced"; frontends that share their load views late, 40 ms). No
+request waits more than ``SPREAD``: parents past it go together at its end, as a burst
 goes without pacing. Where every request waiting at a router gave up (a cancelled step), the turns
 it held are handed back.
 """
@@ -24,6 +25,7 @@ from otel_session._fleet import Origin
 from otel_session._hosts import canonical_origin
 
 PACE = 0.01  # seconds between two new parents' first requests to one router (5 ms was too little)
+ENV_PACE_MS = "OTEL_SESSION_PACE_MS"  # ... in milliseconds, as configured (behind several frontends: 40)
 SPREAD = 2.0  # seconds a request waits at most: 200 new parents a router paced at once
 ORIGINS_KEPT = 64
 TURNS_KEPT = 16_384  # parents whose turn is remembered; turns gone by are dropped beyond it
@@ -50,7 +52,7 @@ class _Queue:
 
     def __init__(self, now: float) -> None:
         self.next = now
-        self.left = now - PACE
+        self.left = -float("inf")  # no parent has left yet: the first leaves at once
         self.waiting = 0
 
 
@@ -65,13 +67,13 @@ def waits(parent: str) -> bool:
     return turn is None or turn.left is None or turn.left > time.monotonic()
 
 
-async def wait(origin: Origin, parent: str) -> None:
-    """Wait for ``parent``'s turn at ``origin`` (an asyncio task): cancelled, it gives its turn back
-    where no other request waits there."""
+async def wait(origin: Origin, parent: str, pace: float = PACE) -> None:
+    """Wait for ``parent``'s turn at ``origin`` (an asyncio task), new parents ``pace`` seconds
+    apart: cancelled, it gives its turn back where no other request waits there."""
     origin = canonical_origin(*origin)  # port None and 80, as clients spell them, are one router
     _count(origin, 1)
     try:
-        while (pause := _delay(origin, parent)) > 0:
+        while (pause := _delay(origin, parent, pace)) > 0:
             await asyncio.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -79,13 +81,13 @@ async def wait(origin: Origin, parent: str) -> None:
     _count(origin, -1)
 
 
-def wait_here(origin: Origin, parent: str, sleep: bool) -> None:
+def wait_here(origin: Origin, parent: str, sleep: bool, pace: float = PACE) -> None:
     """``wait`` for a blocking client; ``sleep`` false (a thread that runs an event loop) takes the
     turn and goes at once."""
     origin = canonical_origin(*origin)
     _count(origin, 1)
     try:
-        while (pause := _delay(origin, parent)) > 0 and sleep:
+        while (pause := _delay(origin, parent, pace)) > 0 and sleep:
             time.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -93,14 +95,14 @@ def wait_here(origin: Origin, parent: str, sleep: bool) -> None:
     _count(origin, -1)
 
 
-def delay(origin: Origin, parent: str) -> float:
+def delay(origin: Origin, parent: str, pace: float = PACE) -> float:
     """Seconds a request under ``parent`` to ``origin`` waits from now: until the parent's slot,
-    taken now by the first request to ask; once the slot has come, until the parent leaves, ``PACE``
+    taken now by the first request to ask; once the slot has come, until the parent leaves, ``pace``
     after the last to leave there (siblings go with it)."""
-    return _delay(canonical_origin(*origin), parent)
+    return _delay(canonical_origin(*origin), parent, pace)
 
 
-def _delay(origin: Origin, parent: str) -> float:
+def _delay(origin: Origin, parent: str, pace: float) -> float:
     """``delay`` at ``origin`` as ``canonical_origin`` spells it (what ``wait`` holds already)."""
     now = time.monotonic()
     with _lock:
@@ -108,7 +110,7 @@ def _delay(origin: Origin, parent: str) -> float:
         if turn is None:
             queue = _queue(origin, now)
             turn = _Turn(origin, min(max(now, queue.next), now + SPREAD), now + SPREAD)
-            queue.next = turn.at + PACE
+            queue.next = turn.at + pace
             if len(_turns) >= TURNS_KEPT:
                 _forget_past(now)
             _turns[parent] = turn
@@ -116,7 +118,7 @@ def _delay(origin: Origin, parent: str) -> float:
             if turn.at > now:
                 return turn.at - now
             queue = _queue(turn.origin, now)
-            turn.left = min(max(now, queue.left + PACE), turn.latest)
+            turn.left = min(max(now, queue.left + pace), turn.latest)
             queue.left = max(queue.left, turn.left)
     return max(0.0, turn.left - now)
 
@@ -142,7 +144,7 @@ def _count(origin: Origin, waiting: int) -> None:
 def _gave_up(origin: Origin) -> None:
     """A request stopped waiting before its turn (cancelled): where it was the last waiting at
     ``origin``, the turns still to come there go back (kept, the next step's parents would wait
-    behind slots nobody uses), and the next parent leaves ``PACE`` after the last that did."""
+    behind slots nobody uses), and the next parent leaves a pace after the last that did."""
     with _lock:
         queue = _queues.get(origin)
         if queue is None:

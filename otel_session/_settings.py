@@ -5,7 +5,7 @@ always see one whole configuration, never half of an old one and half of a new o
 field by field, each from its argument or else its variable, and a bad one is a ``SettingError``
 naming that argument or variable. Zero-code mode builds it leniently: a variable that cannot be
 read costs one warning and its fallback, and a pattern list keeps its good entries. (Over 300 lines:
-ten arguments and their variables, each read strictly and leniently, in one place.)
+eleven arguments and their variables, each read strictly and leniently, in one place.)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from otel_session import _group_keys
 from otel_session._hosts import HostPattern, HostRules
+from otel_session._pacing import ENV_PACE_MS, PACE
 from otel_session._routers import DYNAMO, Profile, profile_named
 from otel_session._siblings import DEFAULT as DEFAULT_SIBLINGS
 from otel_session._siblings import ENV_SIBLINGS, Siblings
@@ -30,6 +31,7 @@ ENV_ADOPT = "OTEL_SESSION_ADOPT"
 ENV_TRAJECTORY_FUNCTIONS = "OTEL_SESSION_TRAJECTORY_FUNCTIONS"
 ENV_STRICT_AFFINITY = "OTEL_SESSION_STRICT_AFFINITY"
 
+PACE_MS_MAX = 1000  # a second between new parents: 2 of them a router within the 2 s bound
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -55,6 +57,7 @@ class Settings:
     trajectory_functions: tuple[str, ...] = ()
     siblings: Siblings = DEFAULT_SIBLINGS
     strict_affinity: bool = False
+    pace: float = PACE  # seconds between new parents' first requests at a router
 
     def with_dynamo_hosts(self, patterns: Iterable[HostPattern]) -> Settings:
         """These settings with more Dynamo host patterns."""
@@ -252,6 +255,27 @@ class _Reader:
             self._fail(name, f"{name}: {exc}", f"siblings are keyed as {DEFAULT_SIBLINGS}")
             return DEFAULT_SIBLINGS
 
+    def pace(self, value: object) -> float:
+        """Milliseconds between new parents at a router, 0 to ``PACE_MS_MAX`` (0: not paced), as
+        seconds; a bad variable keeps the default (lenient)."""
+        name = "pace_ms" if value is not None else ENV_PACE_MS
+        raw = value if value is not None else os.environ.get(ENV_PACE_MS, "").strip()
+        if raw == "" and value is None:
+            return PACE
+        try:
+            if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+                raise ValueError
+            ms = float(raw)
+            if not 0 <= ms <= PACE_MS_MAX:  # NaN too
+                raise ValueError
+        except ValueError:
+            message = f"{name}: {raw!r} is not a number of milliseconds from 0 to {PACE_MS_MAX}"
+            if value is not None:
+                raise SettingError(name, message) from None
+            self._fail(name, message, f"new parents are paced {PACE * 1000:g} ms apart")
+            return PACE
+        return ms / 1000
+
     def functions(self, value: Iterable[str] | str | None) -> tuple[str, ...]:
         """``module:Qualified.name`` entries, each with its ``[group=...]`` if it has one; a bad one
         raises (an argument) or is left out (a variable; one whose only fault is its ``[...]`` applies
@@ -287,6 +311,7 @@ def build(
     trajectory_functions: Iterable[str] | str | None = None,
     siblings: object = None,
     strict_affinity: object = None,
+    pace_ms: object = None,
     *,
     lenient: bool = False,
     servers_default: bool = False,
@@ -323,6 +348,7 @@ def build(
             False,
             "a session its router refuses for want of room goes on unpinned",
         ),
+        pace=reader.pace(pace_ms),
     )
     if say_if_empty and not settings.rules:
         if reader.failed & {ENV_DYNAMO_HOSTS, ENV_TRUSTED_HOSTS, ENV_ROUTERS}:

@@ -147,6 +147,9 @@ def test_step_advice_turns_affinity_on_only_with_groups_the_caches_hold() -> Non
         assert on in ample
         assert "from the first step (its attempts gather at their first request)" in ample
         assert "OTEL_SESSION_SIBLINGS=groups:4" in ample and "0.60x" in ample and "=fleet" in ample
+        # behind several frontends: affinity off, or on with the sync, a parent hash and a wider pace
+        assert "--router-replica-sync, a balancer hashing X-Dynamo-Parent-Session-ID" in ample
+        assert "OTEL_SESSION_PACE_MS=40" in ample and "0.62-0.71x kv routing alone's" in ample
         assert "leave session affinity off" not in ample and "--kv-tokens" not in tight + ample
         assert "--kv-tokens" in step_advice(layout)  # unknown: how to have it checked
     assert step_advice("unaware", True) == step_advice("unaware", False)  # switch to kv routing first

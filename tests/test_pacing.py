@@ -99,6 +99,27 @@ def test_a_steps_new_parents_reach_the_router_paced_apart(dynamo: Recorder, clie
     assert arrivals[-1] - arrivals[0] < 0.5
 
 
+@pytest.mark.parametrize("client", ["httpx", "requests"])
+def test_new_parents_are_paced_as_configured(
+    dynamo: Recorder, client: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``OTEL_SESSION_PACE_MS=40`` (behind several frontends): 8 parents 40 ms apart, not 10; and
+    ``pace_ms=0`` does not pace them at all."""
+    monkeypatch.setenv("OTEL_SESSION_PACE_MS", "40")
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2")
+    _step(dynamo, prompts=4, siblings=4, client=client)
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 8
+    assert 7 * 0.04 * 0.8 <= arrivals[-1] - arrivals[0] < 7 * 0.04 + 0.3, arrivals[-1] - arrivals[0]
+    otel_session.unconfigure()
+    dynamo.clear()
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2", pace_ms=0)
+    _step(dynamo, prompts=4, siblings=4, client=client)
+    arrivals = _first_arrivals(dynamo)
+    unpaced = 7 * 0.01 * 0.4 if client == "httpx" else 7 * 0.04 * 0.8  # threads wake when they may
+    assert len(arrivals) == 8 and arrivals[-1] - arrivals[0] < unpaced, arrivals[-1] - arrivals[0]
+
+
 def _assert_paced(arrivals: list[float]) -> None:
     """Turns ``PACE`` apart, as they reach the server: the parents spread over most of their turns.
     A request's connection is opened after its wait and a thread wakes when the interpreter lets it,

@@ -706,3 +706,60 @@ def test_zero_code_mode_logs_each_bad_variable_as_one_line_and_configures_the_re
 def _nothing_in_force() -> Iterator[None]:
     yield
     _settings.set_active(None)
+
+
+# ---- the pace between new parents ----------------------------------------------------------------
+
+PACE_WORDS = "is not a number of milliseconds from 0 to 1000"
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"), [(None, 0.01), (40, 0.04), (0, 0.0), (2.5, 0.0025), ("40", 0.04)]
+)
+def test_the_pace_is_read_in_milliseconds_from_its_argument(given: object, seconds: float) -> None:
+    settings, warnings = build(dynamo_hosts="d:1", pace_ms=given)
+    assert settings.pace == pytest.approx(seconds) and warnings == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"), [("40", 0.04), (" 1000 ", 1.0), ("0", 0.0), ("", 0.01), ("  ", 0.01)]
+)
+def test_the_pace_is_read_from_its_variable(
+    monkeypatch: pytest.MonkeyPatch, raw: str, seconds: float
+) -> None:
+    monkeypatch.setenv("OTEL_SESSION_PACE_MS", raw)
+    assert build(dynamo_hosts="d:1")[0].pace == pytest.approx(seconds)
+    assert build(dynamo_hosts="d:1", pace_ms=20)[0].pace == pytest.approx(0.02)  # the argument wins
+
+
+@pytest.mark.parametrize("bad", [-1, 1000.5, 5000, "x", "nan", "inf", True, [40], b"40"])
+def test_a_bad_pace_argument_is_an_error_naming_it(bad: object) -> None:
+    error = raised(dynamo_hosts="d:1", pace_ms=bad, lenient=True)  # an argument is never lenient
+    assert error.name == "pace_ms" and str(error) == f"pace_ms: {bad!r} {PACE_WORDS}"
+
+
+@pytest.mark.parametrize("bad", ["-1", "1001", "fast", "nan"])
+def test_a_bad_pace_variable_is_one_warning_and_the_default_in_zero_code_mode_and_an_error_in_code(
+    monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    monkeypatch.setenv("OTEL_SESSION_PACE_MS", bad)
+    settings, warnings = build(dynamo_hosts="d:1", lenient=True)
+    assert settings.pace == 0.01 and routes_of(settings) == [("dynamo", "d:1")]
+    assert warnings == [
+        f"otel-session: OTEL_SESSION_PACE_MS: {bad!r} {PACE_WORDS}; new parents are paced 10 ms apart{TAIL}"
+    ]
+    error = raised(dynamo_hosts="d:1")
+    assert (
+        error.name == "OTEL_SESSION_PACE_MS" and str(error) == f"OTEL_SESSION_PACE_MS: {bad!r} {PACE_WORDS}"
+    )
+
+
+def test_configure_takes_the_pace_and_the_library_paces_by_it() -> None:
+    from otel_session import _gathering, _pacing
+
+    try:
+        assert otel_session.configure(dynamo_hosts="d:1", pace_ms=40).pace == pytest.approx(0.04)
+        assert _gathering._pace() == pytest.approx(0.04)
+    finally:
+        otel_session.unconfigure()
+    assert _gathering._pace() == _pacing.PACE

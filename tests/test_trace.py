@@ -143,6 +143,7 @@ def test_ceiling_and_pairing_from_hand_made_runs() -> None:
     figures = trace_figures([conv], 32)
     assert figures["ceiling"] == pytest.approx(64 / 120)  # A2 shares 2 full blocks of A1
     assert figures["late_max_s"] == 0.5 and figures["turns_2plus"] == 1
+    assert figures["after_ttft_first_p99_ms"] == figures["after_ttft_later_p50_ms"] == pytest.approx(990.0)
     assert figures["template_tokens"] == pytest.approx((76 + 120) / 2 - (75 + 119) / 2)
     base = {"repeat": 0, "arm": "kv", "makespan_s": 10.0, "ttft_p50_ms": 10.0, "ttft_all_p90_ms": 20.0}
     base |= {"ttft_p99_ms": 40.0, "latency_p99_ms": 100.0, "hit_rate": 0.5}
