@@ -10,6 +10,7 @@ eleven arguments and their variables, each read strictly and leniently, in one p
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -263,12 +264,12 @@ class _Reader:
         if raw == "" and value is None:
             return PACE
         try:
-            if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-                raise ValueError
-            ms = float(raw)
+            if isinstance(raw, bool) or not isinstance(raw, numbers.Number | str):
+                raise ValueError  # numpy's, Decimal and Fraction are Numbers; a bare __float__ is not read
+            ms = float(raw)  # type: ignore[arg-type]  # a complex number: TypeError
             if not 0 <= ms <= PACE_MS_MAX:  # NaN too
                 raise ValueError
-        except ValueError:
+        except (TypeError, ValueError):
             message = f"{name}: {raw!r} is not a number of milliseconds from 0 to {PACE_MS_MAX}"
             if value is not None:
                 raise SettingError(name, message) from None

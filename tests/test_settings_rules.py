@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 
@@ -732,7 +734,23 @@ def test_the_pace_is_read_from_its_variable(
     assert build(dynamo_hosts="d:1", pace_ms=20)[0].pace == pytest.approx(0.02)  # the argument wins
 
 
-@pytest.mark.parametrize("bad", [-1, 1000.5, 5000, "x", "nan", "inf", True, [40], b"40"])
+class _Floaty:
+    def __float__(self) -> float:
+        return 40.0
+
+
+def test_a_pace_from_a_config_tool_is_read_whatever_kind_of_number_it_is() -> None:
+    """numpy's integers and floats (Hydra and OmegaConf hand them on), ``Decimal`` and ``Fraction``."""
+    import numpy
+
+    for given in (numpy.int64(40), numpy.int32(40), numpy.float32(40), Decimal("40"), Fraction(80, 2)):
+        assert build(dynamo_hosts="d:1", pace_ms=given)[0].pace == pytest.approx(0.04), given
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [-1, 1000.5, 5000, "x", "nan", "inf", True, [40], b"40", 40j, Decimal("NaN"), Decimal("sNaN"), _Floaty()],
+)
 def test_a_bad_pace_argument_is_an_error_naming_it(bad: object) -> None:
     error = raised(dynamo_hosts="d:1", pace_ms=bad, lenient=True)  # an argument is never lenient
     assert error.name == "pace_ms" and str(error) == f"pace_ms: {bad!r} {PACE_WORDS}"
