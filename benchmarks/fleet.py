@@ -429,7 +429,7 @@ def run_cell(
                     _save(sink, out)
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -447,10 +447,10 @@ def _line(r: dict[str, Any]) -> str:
         f"{r.get('makespan_s', r['wall_s']):.1f} | "
         f"{r.get('tokens_per_s', 0.0):.0f} | {r.get('busiest_x_fair', 0.0):.1f} | "
         f"{r.get('peak_in_flight', 0.0):.0f} | "
-        f"{_fmt(r.get('cpu_busy'), '.0%')}{' SAT' if r.get('saturated') else ''} | "
+        f"{fmt(r.get('cpu_busy'), '.0%')}{' SAT' if r.get('saturated') else ''} | "
         f"{r['hit_rate']:.3f} | {r['ceiling']:.3f} | "
-        f"{r['hit_rate_all']:.3f} | {r['ceiling_all']:.3f} | {_fmt(r['ttft_ms'], '.0f')} | "
-        f"{_fmt(r['ttft_p90_ms'], '.0f')} | {_fmt(r['ttft_all_ms'], '.0f')} | {r['turns_per_s']:.1f} | "
+        f"{r['hit_rate_all']:.3f} | {r['ceiling_all']:.3f} | {fmt(r['ttft_ms'], '.0f')} | "
+        f"{fmt(r['ttft_p90_ms'], '.0f')} | {fmt(r['ttft_all_ms'], '.0f')} | {r['turns_per_s']:.1f} | "
         f"{r['balance']:.2f} | {r['workers_used']} | {r['switches']:.2f} | "
         f"{r['pinned']}/{r['trajectories']} | {r['errors']} | {r['load_before']:.1f} |"
     )

@@ -72,7 +72,7 @@ if str(ROOT) not in sys.path:
 
 import otel_session  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.fleet import ARMS, Arm, Cell, measure, siblings_of  # noqa: E402
+from benchmarks.fleet import ARMS, Arm, Cell, fmt, measure, siblings_of  # noqa: E402
 from otel_session.dynamo import NVEXT_EXTRA_BODY, cached_tokens_of, ttft_ms_of, worker_id_of  # noqa: E402
 from otel_session.dynamo.workload import TrajectoryResult, Turn  # noqa: E402
 
@@ -494,10 +494,6 @@ def run_arm(
     }
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 HEADER = (
     "| rep | arm | makespan s | TTFT p50/p90/p99 ms | latency p50/p99 ms | hit 2+ | ceiling 2+ | "
     "busiest share | late p99 s | cpu busy | errors |\n|" + "---|" * 11
@@ -508,12 +504,12 @@ def line(r: dict[str, Any]) -> str:
     """One run as a table row."""
     return (
         f"| {r['repeat']} | {r['arm']} | {r['makespan_s']:.1f} | "
-        f"{_fmt(r['ttft_p50_ms'], '.0f')}/{_fmt(r['ttft_all_p90_ms'], '.0f')}/"
-        f"{_fmt(r['ttft_p99_ms'], '.0f')} | "
-        f"{_fmt(r['latency_p50_ms'], '.0f')}/{_fmt(r['latency_p99_ms'], '.0f')} | "
+        f"{fmt(r['ttft_p50_ms'], '.0f')}/{fmt(r['ttft_all_p90_ms'], '.0f')}/"
+        f"{fmt(r['ttft_p99_ms'], '.0f')} | "
+        f"{fmt(r['latency_p50_ms'], '.0f')}/{fmt(r['latency_p99_ms'], '.0f')} | "
         f"{r['hit_rate']:.3f} | {r['ceiling']:.3f} | {r['busiest_share']:.3f} "
-        f"({r['busiest_x_fair']:.1f}x fair) | {_fmt(r['late_p99_s'], '.2f')} | "
-        f"{_fmt(r.get('cpu_busy'), '.0%')}{' SAT' if r.get('saturated') else ''} | {r['errors']} |"
+        f"({r['busiest_x_fair']:.1f}x fair) | {fmt(r['late_p99_s'], '.2f')} | "
+        f"{fmt(r.get('cpu_busy'), '.0%')}{' SAT' if r.get('saturated') else ''} | {r['errors']} |"
     )
 
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +46,39 @@ def exited_unreaped(pid: int) -> bool:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True
+
+
+def forked_while_held(lock: Any, in_child: Callable[[], bool]) -> None:
+    """Fork while another thread holds ``lock`` (a module's, as a rollout worker may fork mid-request);
+    ``in_child()`` runs in the child, which exits 0 where it says true. Fails where it says false or
+    hangs on the lock it inherited (killed after 10 s)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            code = 0 if in_child() else 2
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(10)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the lock it inherited")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 @pytest.fixture(scope="module")

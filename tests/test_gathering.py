@@ -10,7 +10,6 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import threading
 import time
 import weakref
@@ -27,6 +26,7 @@ from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults, _gather
 from otel_session._policy import Offer
 from otel_session._siblings import Siblings
 from tests.recorder import Recorder
+from tests.support import forked_while_held
 
 
 def _step(dynamo: Recorder, prompts: int, siblings: int, client: str = "httpx", named: bool = False) -> float:
@@ -564,33 +564,7 @@ def test_a_child_forked_while_a_thread_held_the_looks_lock_gathers_on() -> None:
     make a look of their own (the lock it inherited held is not its own, the look not its step's)."""
     origin = ("http", "127.0.0.1", 9)
     _gathering._shared_here(origin)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with _gathering._lock:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert held.wait(10)
-    pid = os.fork()
-    if pid == 0:  # the child: never back into pytest
-        code = 1
-        try:
-            code = 0 if _gathering._shared_here(origin).inside == 1 else 2
-        finally:
-            os._exit(code)
-    release.set()
-    holder.join(10)
-    deadline = time.monotonic() + 10
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on the lock it inherited")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    forked_while_held(_gathering._lock, lambda: _gathering._shared_here(origin).inside == 1)
     _gathering.forget()
 
 

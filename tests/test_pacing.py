@@ -11,7 +11,6 @@ import asyncio
 import itertools
 import logging
 import os
-import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults, _gathering, _hop, _pacing, _siblings
 from otel_session._hosts import canonical_origin
 from tests.recorder import Recorder
+from tests.support import forked_while_held
 
 
 def _body(prompt: int) -> dict[str, Any]:
@@ -450,34 +450,12 @@ def test_a_child_forked_while_a_thread_held_the_turns_lock_paces_on() -> None:
     """A rollout worker forked while another thread took a turn: the child takes its own turns at
     once (the lock it inherited held is not its own), and none of its parent's."""
     _pacing.delay(("http", "127.0.0.1", 1), "the parent's")
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with _pacing._lock:
-            held.set()
-            release.wait(10)
+    def in_child() -> bool:
+        fresh = _pacing.delay(("http", "127.0.0.1", 1), "the child's") == 0.0
+        return fresh and _pacing.waits("the parent's")
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert held.wait(10)
-    pid = os.fork()
-    if pid == 0:  # the child: never back into pytest
-        code = 1
-        try:
-            fresh = _pacing.delay(("http", "127.0.0.1", 1), "the child's") == 0.0
-            code = 0 if fresh and _pacing.waits("the parent's") else 2
-        finally:
-            os._exit(code)
-    release.set()
-    holder.join(10)
-    deadline = time.monotonic() + 10
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on the lock it inherited")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    forked_while_held(_pacing._lock, in_child)
 
 
 # ---- the rules, one by one (in-process) ----------------------------------------------------------
