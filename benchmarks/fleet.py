@@ -45,7 +45,8 @@ The arms (what the frontend runs, what otel-session sends):
                            or hashing X-Dynamo-Session-ID consistently; 3fe-parent: hashing the
                            parent session where a request names one (a sibling group reaches one
                            frontend), else the session; -sync: --router-replica-sync
-    .../pace40             an EXPERIMENT: new parents paced 40 ms apart at a router, not the library's 10
+    .../pace40, .../pace10 the pace set (OTEL_SESSION_PACE_MS): new parents 40 or 10 ms apart at a
+                           router, not by the burst (10 was the default until 2026-12-07)
 
 Arms of one repeat see the same text on a cold fleet; repeats use new text and rotate the arms'
 order. Per run: the step's makespan (first request sent to last response: a GRPO step waits for its
@@ -71,7 +72,7 @@ import os
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ class Arm:
     frontends: int = 1  # more than one: replicas behind nginx, balancing as below
     balancer: harness.Balancer = "rr"  # "rr", "hash" (X-Dynamo-Session-ID), "parent" (parent, else session)
     name_group: bool = True  # trajectory(group=prompt); False: a plain trajectory(), the group inferred
-    pace: float | None = None  # an EXPERIMENT: seconds between new parents at a router (the library's: 0.01)
+    pace: float | None = None  # seconds between new parents at a router, set (None: by the burst)
 
     @property
     def deployment(self) -> harness.Deployment:
@@ -178,6 +179,16 @@ ARMS: dict[str, Arm] = {
             frontend_args=_SYNC,
             pace=0.04,
         ),
+        Arm(
+            "3fe-parent-sync:kv+default/pace10",
+            "kv",
+            "default",
+            frontends=3,
+            balancer="parent",
+            frontend_args=_SYNC,
+            pace=0.01,
+        ),
+        Arm("kv+default/pace10", "kv", "default", pace=0.01),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
     )
@@ -329,11 +340,13 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0, steps: int = 
     ``steps`` GRPO steps on it one after another under one configuration, each with prompts of its
     own: what the library learns in one step (``fleet``'s shape) serves the next, as in training."""
     rows = []
-    with harness.stack(arm.deployment, cell.workers, cell.blocks, speedup) as served, _paced(arm.pace):
+    with harness.stack(arm.deployment, cell.workers, cell.blocks, speedup) as served:
         setting = "none"
         if arm.keying != "none":
             settings = otel_session.configure(
-                dynamo_hosts=served.hosts, siblings=siblings_of(arm.keying, cell)
+                dynamo_hosts=served.hosts,
+                siblings=siblings_of(arm.keying, cell),
+                pace_ms=None if arm.pace is None else arm.pace * 1000,
             )
             setting = str(settings.siblings)  # what the library resolved, its default included
         try:
@@ -345,22 +358,6 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0, steps: int = 
         finally:
             otel_session.unconfigure()
     return rows
-
-
-@contextlib.contextmanager
-def _paced(pace: float | None) -> Iterator[None]:
-    """The library's pacing with ``pace`` seconds between new parents (an experiment of the
-    benchmark's, no setting of the library's), as it was after."""
-    if pace is None:
-        yield
-        return
-    from otel_session import _pacing
-
-    kept, _pacing.PACE = _pacing.PACE, pace
-    try:
-        yield
-    finally:
-        _pacing.PACE = kept
 
 
 def _row(
@@ -730,7 +727,7 @@ def chart(rows: Sequence[dict[str, Any]], path: Path) -> None:
             if not pts:
                 continue
             xs = sorted(pts)
-            style = {
+            style: dict[str, Any] = {
                 "color": colors(i),
                 "marker": "o",
                 "label": label,

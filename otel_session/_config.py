@@ -70,9 +70,10 @@ def configure(
     (``trajectory(group=...)``, or the same first prompt) name a parent session. ``strict_affinity``
     (``OTEL_SESSION_STRICT_AFFINITY``, unset: off) keeps a session pinned after its router refused it
     for want of room (Dynamo's 529), so the client's retries get the same error. ``pace_ms``
-    (``OTEL_SESSION_PACE_MS``, 10 by default; 0 to 1,000) spaces new parents' first requests at a
-    router: 40 behind several frontends that share their load views late. Raises ``ValueError``
-    naming a bad argument or variable.
+    (``OTEL_SESSION_PACE_MS``; 0 to 1,000, 0: not paced) fixes the milliseconds between new parents'
+    first requests at a router; unset, 40 while a burst of them fits 3 s (several frontends share
+    their load views late), closer for a larger burst, 10 at least. Raises ``ValueError`` naming a
+    bad argument or variable.
     """
     settings, warnings = _settings.build(
         dynamo_hosts,
@@ -139,6 +140,8 @@ def _install(settings: Settings) -> None:
         if name not in wanted and _registry.instrumentor(name).is_instrumented_by_opentelemetry:
             _registry.instrumentor(name).uninstrument()
     _threads.apply(True)
+    if previous is not None and previous.pace != settings.pace:
+        _pacing.forget()  # the turns taken at the old pace: the new one starts afresh
     current = propagate.get_global_textmap()
     if not isinstance(current, SessionPropagator):
         _previous_textmap = current

@@ -186,7 +186,6 @@ class _Look:
                 if not woken.done() and not woken.get_loop().is_closed():
                     woken.set_result(None)
 
-
     def ended_here(self) -> None:
         """``ended`` for a thread (counted inside by ``_shared_here``): the first thread here looks
         every ``SETTLE_THREADS``; the others sleep until it is over, at most until its bound. A
@@ -282,10 +281,10 @@ def _counted(offered: _hop.Offered, body: Body) -> bool:
     return holder.key is not None
 
 
-def _pace() -> float:
-    """Seconds between new parents at a router, as configured."""
+def _pace() -> float | None:
+    """Seconds between new parents at a router, as configured (``None``: by the burst)."""
     settings = _settings.current
-    return _pacing.PACE if settings is None else settings.pace
+    return None if settings is None else settings.pace
 
 
 def _origin(destination: _hop.Destination) -> _fleet.Origin:

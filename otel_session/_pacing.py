@@ -4,14 +4,16 @@ Dynamo places a new session on the load it sees, and sessions that reach it with
 milliseconds of each other are placed on a view that has not yet counted the ones just placed: a
 GRPO step opens all its groups at once, and that burst of new parents lands unevenly (three groups
 on one worker, one on another), so the step waits for the crowded worker. The first request under a
-parent takes the parent's turn, a slot a pace (``PACE``, or ``OTEL_SESSION_PACE_MS``) after the
-last parent's at its router, and every request under the parent waits for it; as the slot comes the
-parent leaves a pace after the last parent that left there (slots that passed while an event loop
-was busy would otherwise go together), so the router counts each parent before it places the next
-(docs/performance.md, "New parents, paced"; frontends that share their load views late, 40 ms). No
-request waits more than ``SPREAD``: parents past it go together at its end, as a burst
-goes without pacing. Where every request waiting at a router gave up (a cancelled step), the turns
-it held are handed back.
+parent takes the parent's turn, a slot ``PACE`` after the last parent's at its router, and every
+request under the parent waits for it; as the slot comes the parent leaves some time after the last
+parent that left there (slots that passed while an event loop was busy would otherwise go
+together), so the router counts each parent before it places the next. How long: a fixed pace where
+one is configured (``OTEL_SESSION_PACE_MS``), else by the burst: ``WIDE`` apart while the burst's
+parents fit ``BURST`` seconds at that, down to ``PACE`` for a large one (frontends that share their
+load views late need ``WIDE``, one frontend ``PACE``; docs/performance.md, "New parents, paced").
+No request waits more than ``SPREAD``: parents past it go together at its end, as a burst goes
+without pacing. Where every request waiting at a router gave up (a cancelled step), the turns it
+held are handed back.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import time
 from otel_session._fleet import Origin
 from otel_session._hosts import canonical_origin
 
-PACE = 0.01  # seconds between two new parents' first requests to one router (5 ms was too little)
-ENV_PACE_MS = "OTEL_SESSION_PACE_MS"  # ... in milliseconds, as configured (behind several frontends: 40)
-SPREAD = 2.0  # seconds a request waits at most: 200 new parents a router paced at once
+PACE = 0.01  # seconds between two new parents' slots at one router, and at least between leaving
+WIDE = 0.04  # seconds at most between two parents leaving, in a small burst (several frontends)
+BURST = 3.0  # seconds a burst's parents spread over where WIDE would take longer (75 parents)
+ENV_PACE_MS = "OTEL_SESSION_PACE_MS"  # a fixed pace in milliseconds, as configured
+SPREAD = 4.0  # seconds a request waits at most: 400 new parents a router paced at once
 ORIGINS_KEPT = 64
 TURNS_KEPT = 16_384  # parents whose turn is remembered; turns gone by are dropped beyond it
 
@@ -45,20 +49,22 @@ class _Turn:
 
 
 class _Queue:
-    """A router's new parents: the next free slot, when the last parent left (or is to leave), and
-    how many requests wait for a turn there."""
+    """A router's new parents: the next free slot, when the last parent left (or is to leave), how
+    many requests wait for a turn there, and how many parents the burst now being paced has."""
 
-    __slots__ = ("left", "next", "waiting")
+    __slots__ = ("burst", "left", "next", "waiting")
 
     def __init__(self, now: float) -> None:
         self.next = now
         self.left = -float("inf")  # no parent has left yet: the first leaves at once
         self.waiting = 0
+        self.burst = 0
 
 
 _queues: dict[Origin, _Queue] = {}
 _turns: dict[str, _Turn] = {}  # parent session -> its turn
 _lock = threading.Lock()
+_era = 0  # one more each time the turns are forgotten: the requests waiting then go at once
 
 
 def waits(parent: str) -> bool:
@@ -67,13 +73,15 @@ def waits(parent: str) -> bool:
     return turn is None or turn.left is None or turn.left > time.monotonic()
 
 
-async def wait(origin: Origin, parent: str, pace: float = PACE) -> None:
+async def wait(origin: Origin, parent: str, pace: float | None = PACE) -> None:
     """Wait for ``parent``'s turn at ``origin`` (an asyncio task), new parents ``pace`` seconds
-    apart: cancelled, it gives its turn back where no other request waits there."""
+    apart (``None``: by the burst): cancelled, it gives its turn back where no other request waits
+    there."""
     origin = canonical_origin(*origin)  # port None and 80, as clients spell them, are one router
+    era, end = _era, time.monotonic() + SPREAD
     _count(origin, 1)
     try:
-        while (pause := _delay(origin, parent, pace)) > 0:
+        while (pause := _pause(origin, parent, pace, era, end)) > 0:
             await asyncio.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -81,13 +89,14 @@ async def wait(origin: Origin, parent: str, pace: float = PACE) -> None:
     _count(origin, -1)
 
 
-def wait_here(origin: Origin, parent: str, sleep: bool, pace: float = PACE) -> None:
+def wait_here(origin: Origin, parent: str, sleep: bool, pace: float | None = PACE) -> None:
     """``wait`` for a blocking client; ``sleep`` false (a thread that runs an event loop) takes the
     turn and goes at once."""
     origin = canonical_origin(*origin)
+    era, end = _era, time.monotonic() + SPREAD
     _count(origin, 1)
     try:
-        while (pause := _delay(origin, parent, pace)) > 0 and sleep:
+        while (pause := _pause(origin, parent, pace, era, end)) > 0 and sleep:
             time.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -95,22 +104,33 @@ def wait_here(origin: Origin, parent: str, sleep: bool, pace: float = PACE) -> N
     _count(origin, -1)
 
 
-def delay(origin: Origin, parent: str, pace: float = PACE) -> float:
+def _pause(origin: Origin, parent: str, pace: float | None, era: int, end: float) -> float:
+    """How long a wait that began in ``era`` and ends by ``end`` at the latest sleeps next: none once
+    the turns were forgotten (``unconfigure()``, another pace), whose table its turn was in."""
+    if era != _era:
+        return 0.0
+    return min(_delay(origin, parent, pace), end - time.monotonic())
+
+
+def delay(origin: Origin, parent: str, pace: float | None = PACE) -> float:
     """Seconds a request under ``parent`` to ``origin`` waits from now: until the parent's slot,
     taken now by the first request to ask; once the slot has come, until the parent leaves, ``pace``
-    after the last to leave there (siblings go with it)."""
+    after the last to leave there (``apart``; siblings go with it)."""
     return _delay(canonical_origin(*origin), parent, pace)
 
 
-def _delay(origin: Origin, parent: str, pace: float) -> float:
+def _delay(origin: Origin, parent: str, pace: float | None) -> float:
     """``delay`` at ``origin`` as ``canonical_origin`` spells it (what ``wait`` holds already)."""
     now = time.monotonic()
     with _lock:
         turn = _turns.get(parent)
         if turn is None:
             queue = _queue(origin, now)
+            if queue.next <= now and queue.left <= now:  # no parent to come or to leave: a new burst
+                queue.burst = 0
+            queue.burst += 1
             turn = _Turn(origin, min(max(now, queue.next), now + SPREAD), now + SPREAD)
-            queue.next = turn.at + pace
+            queue.next = turn.at + (PACE if pace is None else pace)
             if len(_turns) >= TURNS_KEPT:
                 _forget_past(now)
             _turns[parent] = turn
@@ -118,9 +138,17 @@ def _delay(origin: Origin, parent: str, pace: float) -> float:
             if turn.at > now:
                 return turn.at - now
             queue = _queue(turn.origin, now)
-            turn.left = min(max(now, queue.left + pace), turn.latest)
+            turn.left = min(max(now, queue.left + apart(pace, queue.burst)), turn.latest)
             queue.left = max(queue.left, turn.left)
     return max(0.0, turn.left - now)
+
+
+def apart(pace: float | None, burst: int) -> float:
+    """Seconds between two parents leaving a router: ``pace`` where configured, else ``WIDE`` for a
+    burst of parents that fits ``BURST`` at that, closer for a larger one, never under ``PACE``."""
+    if pace is not None:
+        return pace
+    return min(WIDE, max(PACE, BURST / max(burst, 1)))
 
 
 def _queue(origin: Origin, now: float) -> _Queue:
@@ -184,8 +212,11 @@ def release(parents: list[str] | tuple[str, ...]) -> None:
 
 
 def forget() -> None:
-    """Forget every router's and parent's turn (``unconfigure()``)."""
+    """Forget every router's and parent's turn (``unconfigure()``, or a new pace): the requests
+    waiting for one go as their sleep ends."""
+    global _era
     with _lock:
+        _era += 1
         _queues.clear()
         _turns.clear()
 

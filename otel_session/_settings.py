@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from otel_session import _group_keys
 from otel_session._hosts import HostPattern, HostRules
-from otel_session._pacing import ENV_PACE_MS, PACE
+from otel_session._pacing import ENV_PACE_MS, PACE, WIDE
 from otel_session._routers import DYNAMO, Profile, profile_named
 from otel_session._siblings import DEFAULT as DEFAULT_SIBLINGS
 from otel_session._siblings import ENV_SIBLINGS, Siblings
@@ -32,7 +32,8 @@ ENV_ADOPT = "OTEL_SESSION_ADOPT"
 ENV_TRAJECTORY_FUNCTIONS = "OTEL_SESSION_TRAJECTORY_FUNCTIONS"
 ENV_STRICT_AFFINITY = "OTEL_SESSION_STRICT_AFFINITY"
 
-PACE_MS_MAX = 1000  # a second between new parents: 2 of them a router within the 2 s bound
+PACE_MS_MAX = 1000  # a second between new parents: 4 of them a router within the 4 s bound
+PACE_WORDS = f"{PACE * 1000:g} to {WIDE * 1000:g} ms apart, by the burst"  # unset: ``_pacing.apart``
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -58,7 +59,7 @@ class Settings:
     trajectory_functions: tuple[str, ...] = ()
     siblings: Siblings = DEFAULT_SIBLINGS
     strict_affinity: bool = False
-    pace: float = PACE  # seconds between new parents' first requests at a router
+    pace: float | None = None  # seconds between new parents at a router; None: by the burst
 
     def with_dynamo_hosts(self, patterns: Iterable[HostPattern]) -> Settings:
         """These settings with more Dynamo host patterns."""
@@ -256,13 +257,13 @@ class _Reader:
             self._fail(name, f"{name}: {exc}", f"siblings are keyed as {DEFAULT_SIBLINGS}")
             return DEFAULT_SIBLINGS
 
-    def pace(self, value: object) -> float:
+    def pace(self, value: object) -> float | None:
         """Milliseconds between new parents at a router, 0 to ``PACE_MS_MAX`` (0: not paced), as
-        seconds; a bad variable keeps the default (lenient)."""
+        seconds; ``None`` where none is set (paced by the burst), as a bad variable (lenient)."""
         name = "pace_ms" if value is not None else ENV_PACE_MS
         raw = value if value is not None else os.environ.get(ENV_PACE_MS, "").strip()
         if raw == "" and value is None:
-            return PACE
+            return None
         try:
             if isinstance(raw, bool) or not isinstance(raw, numbers.Number | str):
                 raise ValueError  # numpy's, Decimal and Fraction are Numbers; a bare __float__ is not read
@@ -273,8 +274,8 @@ class _Reader:
             message = f"{name}: {raw!r} is not a number of milliseconds from 0 to {PACE_MS_MAX}"
             if value is not None:
                 raise SettingError(name, message) from None
-            self._fail(name, message, f"new parents are paced {PACE * 1000:g} ms apart")
-            return PACE
+            self._fail(name, message, f"new parents are paced {PACE_WORDS}")
+            return None
         return ms / 1000
 
     def functions(self, value: Iterable[str] | str | None) -> tuple[str, ...]:

@@ -716,21 +716,22 @@ PACE_WORDS = "is not a number of milliseconds from 0 to 1000"
 
 
 @pytest.mark.parametrize(
-    ("given", "seconds"), [(None, 0.01), (40, 0.04), (0, 0.0), (2.5, 0.0025), ("40", 0.04)]
+    ("given", "seconds"), [(None, None), (40, 0.04), (0, 0.0), (2.5, 0.0025), ("40", 0.04), (10, 0.01)]
 )
-def test_the_pace_is_read_in_milliseconds_from_its_argument(given: object, seconds: float) -> None:
+def test_the_pace_is_read_in_milliseconds_from_its_argument(given: object, seconds: float | None) -> None:
+    """Unset, ``None``: new parents paced by the burst (``_pacing.apart``); set, that pace, fixed."""
     settings, warnings = build(dynamo_hosts="d:1", pace_ms=given)
-    assert settings.pace == pytest.approx(seconds) and warnings == []
+    assert settings.pace == (None if seconds is None else pytest.approx(seconds)) and warnings == []
 
 
 @pytest.mark.parametrize(
-    ("raw", "seconds"), [("40", 0.04), (" 1000 ", 1.0), ("0", 0.0), ("", 0.01), ("  ", 0.01)]
+    ("raw", "seconds"), [("40", 0.04), (" 1000 ", 1.0), ("0", 0.0), ("", None), ("  ", None)]
 )
 def test_the_pace_is_read_from_its_variable(
-    monkeypatch: pytest.MonkeyPatch, raw: str, seconds: float
+    monkeypatch: pytest.MonkeyPatch, raw: str, seconds: float | None
 ) -> None:
     monkeypatch.setenv("OTEL_SESSION_PACE_MS", raw)
-    assert build(dynamo_hosts="d:1")[0].pace == pytest.approx(seconds)
+    assert build(dynamo_hosts="d:1")[0].pace == (None if seconds is None else pytest.approx(seconds))
     assert build(dynamo_hosts="d:1", pace_ms=20)[0].pace == pytest.approx(0.02)  # the argument wins
 
 
@@ -762,9 +763,10 @@ def test_a_bad_pace_variable_is_one_warning_and_the_default_in_zero_code_mode_an
 ) -> None:
     monkeypatch.setenv("OTEL_SESSION_PACE_MS", bad)
     settings, warnings = build(dynamo_hosts="d:1", lenient=True)
-    assert settings.pace == 0.01 and routes_of(settings) == [("dynamo", "d:1")]
+    assert settings.pace is None and routes_of(settings) == [("dynamo", "d:1")]
     assert warnings == [
-        f"otel-session: OTEL_SESSION_PACE_MS: {bad!r} {PACE_WORDS}; new parents are paced 10 ms apart{TAIL}"
+        f"otel-session: OTEL_SESSION_PACE_MS: {bad!r} {PACE_WORDS}; new parents are paced 10 to 40 ms "
+        f"apart, by the burst{TAIL}"
     ]
     error = raised(dynamo_hosts="d:1")
     assert (
@@ -780,4 +782,5 @@ def test_configure_takes_the_pace_and_the_library_paces_by_it() -> None:
         assert _gathering._pace() == pytest.approx(0.04)
     finally:
         otel_session.unconfigure()
-    assert _gathering._pace() == _pacing.PACE
+    assert _gathering._pace() is None  # by the burst (``_pacing.apart``)
+    assert _pacing.apart(None, 1) == _pacing.WIDE

@@ -189,7 +189,7 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
     if siblings > 1 and prompts > workers:
         verdict += (
             f"; {prompts} prompts on {workers} workers put several groups on each worker: the library "
-            "sends each new group's first requests 10 ms after the last group's, so the router places "
+            "sends each new group's first requests 10-40 ms after the last group's, so the router places "
             f"them one at a time, evenly ({CROWDED_STEPS} kv routing alone's step; sent all at once, "
             f"half the bursts measured were placed unevenly: {CROWDED_UNPACED})"
         )
@@ -210,7 +210,9 @@ STEP_DEFAULT_ON = "1.31x"  # kv + siblings paired (groups:2, auto's first step u
 STEP_GROUPED_ON = "0.60x"  # kv + one group per worker (auto from the second step, fleet), affinity on
 STEP_FRONTENDS_ON = "1.7-2.4x"  # 3 frontends behind nginx, the default, affinity on (GRPO, 1 run)
 STEP_FRONTENDS_SYNC = "0.72-0.84x"  # 3 frontends, kv alone, with --router-replica-sync (2 runs)
-STEP_FRONTENDS_PACED = "0.62-0.71x"  # 3 synced frontends, parent-hashed, the default paced 40 ms (3 runs)
+STEP_FRONTENDS_PACED = (
+    "0.52-0.77x"  # 3 synced frontends, parent-hashed, the default by the burst (32-128 workers)
+)
 STEP_RR = "1.51x"  # round-robin, no header (GRPO)
 STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
@@ -261,10 +263,11 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         f"OTEL_SESSION_SIBLINGS={grouping} by fixing K from the start; all this on "
         "one frontend: behind several, leave affinity off (each binds parents on its own: "
         f"{STEP_FRONTENDS_ON}) and run them with --router-replica-sync (kv alone's step "
-        f"{STEP_FRONTENDS_SYNC} of theirs without it), or keep it on with --router-replica-sync, a "
+        f"{STEP_FRONTENDS_SYNC} of theirs without it), or keep it on with --router-replica-sync and a "
         "balancer hashing X-Dynamo-Parent-Session-ID where a request carries one (else "
-        "X-Dynamo-Session-ID) and OTEL_SESSION_PACE_MS=40, new parents paced for the frontends' "
-        f"shared load view to catch up (measured {STEP_FRONTENDS_PACED} kv routing alone's)"
+        "X-Dynamo-Session-ID), the default pacing a step's new parents up to 40 ms apart for the "
+        f"frontends' shared load view to catch up (measured {STEP_FRONTENDS_PACED} kv routing alone's; "
+        "do not set OTEL_SESSION_PACE_MS to 10 there)"
     )
     unaware = (
         "round-robin or random routing cannot see the caches: run --router-mode kv instead "
