@@ -46,7 +46,7 @@ The arms (what the frontend runs, what otel-session sends):
                            parent session where a request names one (a sibling group reaches one
                            frontend), else the session; -sync: --router-replica-sync
     .../pace40, .../pace10 the pace set (OTEL_SESSION_PACE_MS): new parents 40 or 10 ms apart at a
-                           router, not by the burst (10 was the default until 2026-12-07)
+                           router, not by the burst (10 was the default until 2026-12-06)
 
 Arms of one repeat see the same text on a cold fleet; repeats use new text and rotate the arms'
 order. Per run: the step's makespan (first request sent to last response: a GRPO step waits for its
@@ -119,7 +119,7 @@ class Arm:
     frontends: int = 1  # more than one: replicas behind nginx, balancing as below
     balancer: harness.Balancer = "rr"  # "rr", "hash" (X-Dynamo-Session-ID), "parent" (parent, else session)
     name_group: bool = True  # trajectory(group=prompt); False: a plain trajectory(), the group inferred
-    pace: float | None = None  # seconds between new parents at a router, set (None: by the burst)
+    pace_ms: float | None = None  # OTEL_SESSION_PACE_MS: new parents this far apart (None: by the burst)
 
     @property
     def deployment(self) -> harness.Deployment:
@@ -177,7 +177,7 @@ ARMS: dict[str, Arm] = {
             frontends=3,
             balancer="parent",
             frontend_args=_SYNC,
-            pace=0.04,
+            pace_ms=40,
         ),
         Arm(
             "3fe-parent-sync:kv+default/pace10",
@@ -186,9 +186,9 @@ ARMS: dict[str, Arm] = {
             frontends=3,
             balancer="parent",
             frontend_args=_SYNC,
-            pace=0.01,
+            pace_ms=10,
         ),
-        Arm("kv+default/pace10", "kv", "default", pace=0.01),
+        Arm("kv+default/pace10", "kv", "default", pace_ms=10),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
     )
@@ -346,7 +346,7 @@ def run_arm(cell: Cell, arm: Arm, seed: int, speedup: float = 1.0, steps: int = 
             settings = otel_session.configure(
                 dynamo_hosts=served.hosts,
                 siblings=siblings_of(arm.keying, cell),
-                pace_ms=None if arm.pace is None else arm.pace * 1000,
+                pace_ms=arm.pace_ms,
             )
             setting = str(settings.siblings)  # what the library resolved, its default included
         try:

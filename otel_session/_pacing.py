@@ -64,7 +64,7 @@ class _Queue:
 _queues: dict[Origin, _Queue] = {}
 _turns: dict[str, _Turn] = {}  # parent session -> its turn
 _lock = threading.Lock()
-_era = 0  # one more each time the turns are forgotten: the requests waiting then go at once
+_era = 0  # one more each time the turns are forgotten: the requests waiting then stop waiting
 
 
 def waits(parent: str) -> bool:
