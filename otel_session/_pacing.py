@@ -8,17 +8,20 @@ parent takes the parent's turn, a slot ``PACE`` after the last parent's at its r
 request under the parent waits for it; as the slot comes the parent leaves some time after the last
 parent that left there (slots that passed while an event loop was busy would otherwise go
 together), so the router counts each parent before it places the next. How long: a fixed pace where
-one is configured (``OTEL_SESSION_PACE_MS``), else by the burst: ``WIDE`` apart while the burst's
-parents fit ``BURST`` seconds at that, down to ``PACE`` for a large one (frontends that share their
-load views late need ``WIDE``, one frontend ``PACE``; docs/performance.md, "New parents, paced").
-No request waits more than ``SPREAD``: parents past it go together at its end, as a burst goes
-without pacing. Where every request waiting at a router gave up (a cancelled step), the turns it
-held are handed back.
+one is configured (``OTEL_SESSION_PACE_MS``), else by the burst, the parents that asked there in the
+last ``SPREAD``: ``WIDE`` apart while they fit ``BURST`` seconds at that, down to ``PACE`` for a large
+one (frontends that share their load views late need ``WIDE``, one frontend ``PACE``;
+docs/performance.md, "New parents, paced"). A steady stream of new parents, once it has run for
+``SPREAD``, is paced at three quarters of its own interval (``BURST / SPREAD``), so the backlog of
+its first seconds drains. No request waits more than
+``SPREAD``: parents past it go together at its end, as a burst goes without pacing. Where every
+request waiting at a router gave up (a cancelled step), the turns it held are handed back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
 import time
@@ -30,7 +33,8 @@ PACE = 0.01  # seconds between two new parents' slots at one router, and at leas
 WIDE = 0.04  # seconds at most between two parents leaving, in a small burst (several frontends)
 BURST = 3.0  # seconds a burst's parents spread over where WIDE would take longer (75 parents)
 ENV_PACE_MS = "OTEL_SESSION_PACE_MS"  # a fixed pace in milliseconds, as configured
-SPREAD = 4.0  # seconds a request waits at most: 400 new parents a router paced at once
+SPREAD = 4.0  # seconds a request waits at most (400 new parents a router paced at once)
+ASKED_KEPT = round(BURST / PACE)  # parents counted in a burst at most: past it, PACE apart anyway
 ORIGINS_KEPT = 64
 TURNS_KEPT = 16_384  # parents whose turn is remembered; turns gone by are dropped beyond it
 
@@ -50,15 +54,21 @@ class _Turn:
 
 class _Queue:
     """A router's new parents: the next free slot, when the last parent left (or is to leave), how
-    many requests wait for a turn there, and how many parents the burst now being paced has."""
+    many requests wait for a turn there, and when the latest parents asked for theirs (the burst)."""
 
-    __slots__ = ("burst", "left", "next", "waiting")
+    __slots__ = ("asked", "left", "next", "waiting")
 
     def __init__(self, now: float) -> None:
         self.next = now
         self.left = -float("inf")  # no parent has left yet: the first leaves at once
         self.waiting = 0
-        self.burst = 0
+        self.asked: collections.deque[float] = collections.deque(maxlen=ASKED_KEPT)
+
+    def burst(self, now: float) -> int:
+        """The parents that asked here in the last ``SPREAD`` (any that asked before has left)."""
+        while self.asked and self.asked[0] < now - SPREAD:
+            self.asked.popleft()
+        return len(self.asked)
 
 
 _queues: dict[Origin, _Queue] = {}
@@ -126,9 +136,7 @@ def _delay(origin: Origin, parent: str, pace: float | None) -> float:
         turn = _turns.get(parent)
         if turn is None:
             queue = _queue(origin, now)
-            if queue.next <= now and queue.left <= now:  # no parent to come or to leave: a new burst
-                queue.burst = 0
-            queue.burst += 1
+            queue.asked.append(now)
             turn = _Turn(origin, min(max(now, queue.next), now + SPREAD), now + SPREAD)
             queue.next = turn.at + (PACE if pace is None else pace)
             if len(_turns) >= TURNS_KEPT:
@@ -138,14 +146,16 @@ def _delay(origin: Origin, parent: str, pace: float | None) -> float:
             if turn.at > now:
                 return turn.at - now
             queue = _queue(turn.origin, now)
-            turn.left = min(max(now, queue.left + apart(pace, queue.burst)), turn.latest)
+            turn.left = min(max(now, queue.left + apart(pace, queue.burst(now))), turn.latest)
             queue.left = max(queue.left, turn.left)
     return max(0.0, turn.left - now)
 
 
 def apart(pace: float | None, burst: int) -> float:
     """Seconds between two parents leaving a router: ``pace`` where configured, else ``WIDE`` for a
-    burst of parents that fits ``BURST`` at that, closer for a larger one, never under ``PACE``."""
+    burst of parents that fits ``BURST`` at that, closer for a larger one, never under ``PACE``. A
+    stream of parents ``1 / r`` apart is a burst of ``SPREAD * r``: paced ``BURST / SPREAD`` of its
+    interval, it does not back up (up to ``1 / PACE`` a second)."""
     if pace is not None:
         return pace
     return min(WIDE, max(PACE, BURST / max(burst, 1)))

@@ -439,6 +439,34 @@ def test_the_tables_never_pass_their_bounds(monkeypatch: pytest.MonkeyPatch) -> 
     for n in range(4):
         _pacing.delay(("http", "127.0.0.1", 10 + n), f"q{n}")
         assert len(_pacing._queues) <= 3
+    for n in range(_pacing.ASKED_KEPT + 50):  # a flood of new parents at once: their asks are bounded
+        _pacing.delay(("http", "127.0.0.1", 20), f"r{n}")
+    assert len(_pacing._queues[canonical_origin("http", "127.0.0.1", 20)].asked) == _pacing.ASKED_KEPT
+
+
+def test_every_forgetting_releases_the_waits_begun_before_it(
+    monkeypatch: pytest.MonkeyPatch, clock: _Clock
+) -> None:
+    """A wait begun after the turns were forgotten once is released by the next forgetting too, not
+    paced anew behind the slots of the parents that asked since."""
+    here = ("http", "127.0.0.1", 1)
+    _pacing.forget()
+    slept: list[float] = []
+
+    def behind(seconds: float) -> None:
+        _pacing._queues[canonical_origin(*here)] = queue = _pacing._Queue(clock.now)
+        queue.next = queue.left = clock.now + seconds
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.advance(seconds)
+        _pacing.forget()  # unconfigure() as it sleeps; a new step's parents asked at once after
+        behind(0.5)
+
+    monkeypatch.setattr(clock, "sleep", sleep, raising=False)
+    behind(3.0)
+    _pacing.wait_here(here, "late", True, None)
+    assert slept == [pytest.approx(3.0)], slept
 
 
 def test_a_groups_parents_are_forgotten_as_it_ends(dynamo: Recorder) -> None:
@@ -685,38 +713,50 @@ def test_a_set_pace_is_kept_whatever_the_burst(clock: _Clock) -> None:
     assert _pacing.apart(0.02, 1) == 0.02 and _pacing.apart(0.02, 500) == 0.02
 
 
-def test_a_burst_ends_once_its_last_parent_has_left_and_one_joined_before_counts_in_it(clock: _Clock) -> None:
-    """200 parents: 15 ms apart. Once the last has left, 4 new ones are a burst of their own, 40 ms
-    apart (the first 40 ms after the last that left); 100 more asking while two of those 4 are still
-    to leave join their burst: 104, 28.8 ms apart (the first asked before the others: 40 ms)."""
+def test_a_burst_is_the_parents_that_asked_in_the_last_spread(clock: _Clock) -> None:
+    """200 parents at once: 15 ms apart. 4 more asking 0.5 s after the last left count with them (204:
+    14.7 ms apart); 4 asking once the 200 asked more than ``SPREAD`` ago are a burst of their own
+    with the 4 before them, 40 ms apart."""
     here = ("http", "127.0.0.1", 1)
     start = clock.now
     assert _leaving(clock, here, [f"a{n}" for n in range(200)])[-1] == pytest.approx(199 * 0.015)
-    clock.now = start + 199 * 0.015  # the last has left
+    clock.now = start + 199 * 0.015 + 0.5
     assert _leaving(clock, here, [f"b{n}" for n in range(4)]) == [
-        pytest.approx(n * 0.04) for n in range(1, 5)
+        pytest.approx(n * 3.0 / 204, abs=1e-5) for n in range(4)
     ]
-    assert _pacing._queues[canonical_origin(*here)].burst == 4
-    clock.now = start + 199 * 0.015 + 0.1  # b0 and b1 have left; b2 leaves at 0.12, b3 at 0.16
-    left = _leaving(clock, here, [f"c{n}" for n in range(100)])
-    assert _pacing._queues[canonical_origin(*here)].burst == 104
-    assert left[:3] == [pytest.approx(0.1 + n * 3.0 / 104, abs=1e-5) for n in range(3)]
+    queue = _pacing._queues[canonical_origin(*here)]
+    assert queue.burst(clock.now) == 204
+    clock.now = start + _pacing.SPREAD  # the 200 asked exactly SPREAD ago: still counted
+    assert queue.burst(clock.now) == 204
+    clock.now = start + _pacing.SPREAD + 1e-6  # now gone; the 4 asked 0.5 s after the last left: kept
+    assert queue.burst(clock.now) == 4
+    clock.now = start + _pacing.SPREAD + 0.1  # the 4 have left too (the last 0.56 s after the 200)
+    assert _leaving(clock, here, [f"c{n}" for n in range(4)]) == [pytest.approx(n * 0.04) for n in range(4)]
 
 
-def test_parents_one_after_another_leave_wide_apart_unless_a_pace_is_set(clock: _Clock) -> None:
+def test_parents_one_after_another_leave_wide_apart_then_a_pace_apart_as_they_keep_coming(
+    clock: _Clock,
+) -> None:
     """Short trajectories run one after another, each a new parent asking 5 ms after the last left:
-    25 a second by the burst (each leaves 40 ms after the last), 100 with the pace set to 10 ms."""
+    40 ms apart at first (a burst of a few), then closer as the burst counts more, down to 10 ms (was
+    held to 25 a second: the count never reset while one was still to leave); 10 ms throughout with
+    the pace set to 10 ms."""
     here = ("http", "127.0.0.1", 1)
-    for pace, gap in ((None, 0.04), (0.01, 0.01)):
+    for pace in (None, 0.01):
         _pacing.forget()
         left = []
-        for n in range(5):
+        for n in range(600):
             while (pause := _pacing.delay(here, f"p{n}", pace)) > 0:
                 clock.advance(pause)
             left.append(clock.now)
             clock.advance(0.005)  # the trajectory, then the next one's first request
         gaps = [later - earlier for earlier, later in itertools.pairwise(left)]
-        assert gaps == [pytest.approx(gap)] * 4, (pace, gaps)
+        if pace is None:
+            assert gaps[:74] == [pytest.approx(0.04)] * 74, gaps[:74]
+            assert all(0.01 - 1e-9 < gap < 0.011 for gap in gaps[-100:]), gaps[-100:]
+            assert left[-1] - left[0] < 12  # 11.8 s; held to 25 a second, 24 s
+        else:
+            assert gaps == [pytest.approx(0.01)] * 599
 
 
 async def _timed_step(dynamo: Recorder, attempts: int, waits: list[float], base: int = 0) -> None:
@@ -821,22 +861,24 @@ def _stream_waits(clock: _Clock, pace: float | None, parents: int, every: float)
     return waits
 
 
-def test_a_steady_stream_of_new_parents_backs_up_by_the_burst_not_at_a_set_pace(clock: _Clock) -> None:
-    """As documented (found by an outside attack, left): 80 new parents a second at one router, one
-    endless burst, go 40 ms apart until the count brings the gap under 12.5 ms, so a backlog of
-    about 3 s builds and drains slowly; with the pace set to 10 ms none builds."""
-    by_burst = _stream_waits(clock, None, 800, 0.0125)
-    assert 2.5 < max(by_burst) < _pacing.SPREAD and by_burst[-1] < max(by_burst)
-    _pacing.forget()
-    assert max(_stream_waits(clock, 0.01, 800, 0.0125)) < 0.02
+@pytest.mark.parametrize("per_second", [10, 20, 30, 50, 80])
+def test_a_steady_stream_of_new_parents_backs_up_only_as_it_starts(clock: _Clock, per_second: int) -> None:
+    """A new parent every ``1 / per_second`` at one router for 30 s. Up to 25 a second none waits; a
+    faster stream starts as a burst growing, 40 ms apart at first, and backs up (30 a second: 0.5 s
+    at most, 80: 3.5 s), then the burst (the last ``SPREAD``'s parents) paces it at three quarters of
+    its interval and the backlog drains (by 5 s at 30 a second, 20 s at 80). Counted until the router
+    went idle, the burst never shrank: none drained in 30 s, a third to all of ``SPREAD`` every wait
+    of the last 5 s (found by an outside attack, 2026-12-06)."""
+    waits = _stream_waits(clock, None, 30 * per_second, 1 / per_second)
+    assert max(waits) < (0.035 if per_second <= 25 else _pacing.SPREAD), max(waits)
+    assert max(waits[-5 * per_second :]) < 0.035, max(waits[-5 * per_second :])
 
 
-def test_a_burst_begins_where_no_parent_is_to_come_or_to_leave_at_that_instant(clock: _Clock) -> None:
-    """A parent asking as the last slot comes and the last parent has left (the same instant) starts
-    a burst of its own: 40 ms after the last, not the closer gap of the 100 before it."""
-    here = ("http", "127.0.0.1", 1)
-    queue = _pacing._queues[canonical_origin(*here)] = _pacing._Queue(clock.now)
-    queue.next, queue.left, queue.burst = clock.now, clock.now - 0.035, 100  # the next slot is now
-    assert _pacing.delay(here, "a", None) == pytest.approx(0.005) and queue.burst == 1
-    queue.next, queue.left, queue.burst = clock.now - 1, clock.now, 100  # the last left now
-    assert _pacing.delay(here, "b", None) == pytest.approx(0.04) and queue.burst == 1
+def test_a_stream_past_a_hundred_new_parents_a_second_backs_up_to_the_spread(clock: _Clock) -> None:
+    """As documented: slots are ``PACE`` apart, so more than 100 new parents a second at one router
+    wait up to ``SPREAD`` (set to 10 ms, the same)."""
+    for pace in (None, 0.01):
+        _pacing.forget()
+        waits = _stream_waits(clock, pace, 1500, 1 / 150)
+        assert max(waits) == pytest.approx(_pacing.SPREAD, abs=0.02), (pace, max(waits))
+        clock.advance(10)
