@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import inspect
+import io
 import json
 import logging
 import os
@@ -763,3 +765,61 @@ async def test_a_send_of_another_sends_copy_with_nothing_to_add_counts_no_reques
 
         assert await hook._hop_send(sending(), instance, *planned) is ANSWER
     assert counted.added == [] and list(instance.headers.items()) == [(SESSION_HEADER, "mine")]
+
+
+# --- what an attempt's first request is read for, before it gathers ---------------------------------
+
+
+def test_only_aiohttps_bytes_payloads_are_read_for_a_prompt(router: Recorder) -> None:
+    """``json=`` and ``data=`` bytes or text reach the request as aiohttp's ``BytesPayload`` (or
+    its ``StringPayload`` and ``JsonPayload``): read for the prompt. A file, a stream, a look-alike
+    holding bytes, or a payload holding something else never is."""
+    held = b'{"messages": [1]}'
+    assert hook._body_of(SimpleNamespace(body=aiohttp.payload.BytesPayload(held))) == held
+    assert hook._body_of(SimpleNamespace(body=aiohttp.payload.StringPayload("h\u00e9"))) == "h\u00e9".encode()
+    assert hook._body_of(SimpleNamespace(body=aiohttp.payload.JsonPayload({"a": 1}))) == b'{"a": 1}'
+    assert hook._body_of(SimpleNamespace(body=bytearray(held))) == bytearray(held)
+    assert hook._body_of(SimpleNamespace(body=aiohttp.payload.IOBasePayload(io.BytesIO(held)))) is None
+    assert hook._body_of(SimpleNamespace(body=SimpleNamespace(_value=held))) is None  # not aiohttp's
+    odd = aiohttp.payload.BytesPayload(held)
+    odd._value = "text"  # type: ignore[assignment]
+    assert hook._body_of(SimpleNamespace(body=odd)) is None
+
+
+async def test_a_request_to_gather_names_its_router_and_its_body_held_in_memory(router: Recorder) -> None:
+    """What ``ClientSession._request`` hands on to wait for its step: the router (the URL given by
+    position or as ``str_or_url``, joined to the session's base URL) and the prompt's body
+    (``json=`` dumped, ``data=`` bytes or text; nothing for a form); nothing at all for another
+    host or outside any attempt."""
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="prompt")
+    path = "/v1/chat/completions"
+    url = f"{router.url}{path}"
+    here = ("http", "127.0.0.1", router.port)
+    async with aiohttp.ClientSession() as http, aiohttp.ClientSession(base_url=router.url) as based:
+        with otel_session.trajectory():
+            named = hook._to_gather(http, ("POST",), {"str_or_url": url, "json": _chat("p")})
+            assert named is not None and named[2] == here and json.loads(named[1] or "") == _chat("p")
+            assert hook._to_gather(http, ("POST", url), {"data": b"x"})[1:] == (b"x", here)  # type: ignore[index]
+            assert hook._to_gather(http, ("POST", url), {"data": "x"})[1:] == ("x", here)  # type: ignore[index]
+            assert hook._to_gather(based, ("POST", path), {"data": b"x"})[1:] == (b"x", here)  # type: ignore[index]
+            form = aiohttp.FormData({"a": "b"})
+            assert hook._to_gather(http, ("POST", url), {"data": form})[1:] == (None, here)  # type: ignore[index]
+            assert hook._to_gather(http, ("POST", "http://127.0.0.2:9/v1"), {"data": b"x"}) is None
+        assert hook._to_gather(http, ("POST", url), {"data": b"x"}) is None  # outside any attempt
+
+
+async def test_a_hook_left_in_place_but_not_instrumented_never_holds_a_request(
+    router: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the patch stays (another wrapper over it) after uninstrumenting, a call goes straight to
+    aiohttp's own, never waiting for a step."""
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="prompt")
+    sent = object()
+    args = ("POST", f"{router.url}/v1/chat/completions")
+    async with aiohttp.ClientSession() as http:
+        with otel_session.trajectory():
+            held = hook._request(lambda *a, **k: sent, http, args, {"json": _chat("p")})
+            assert inspect.iscoroutine(held)
+            held.close()
+            monkeypatch.setattr(hook._INSTRUMENTOR, "active", False)
+            assert hook._request(lambda *a, **k: sent, http, args, {"json": _chat("p")}) is sent

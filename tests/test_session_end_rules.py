@@ -110,7 +110,7 @@ def test_visits_are_kept_only_while_sessions_are_ended() -> None:
 def test_notices_are_owed_once_per_session_and_router_and_only_to_routers_that_end_sessions() -> None:
     vllm = ("vllm-router", "http", "10.0.0.1", 8000)
     dynamo = ("dynamo", "https", "::1", None)
-    plain = ("sglang", "http", "10.0.0.2", 30000)
+    plain = ("litellm", "http", "10.0.0.2", 30000)  # a router that ends no session, before vllm's
     bogus = ("no-such-profile", "http", "10.0.0.3", 1)
     session = "a-" + str(time.monotonic_ns())
     owed = notices(session, PARENT, [vllm, dynamo, plain, bogus, vllm])
@@ -120,6 +120,8 @@ def test_notices_are_owed_once_per_session_and_router_and_only_to_routers_that_e
     ]
     assert all(n.session == session and n.parent == PARENT for n in owed)
     assert notices(session, None, [vllm, dynamo]) == []  # told already: never twice
+    later = ("vllm-router", "http", "10.0.0.9", 8000)
+    assert [n.visit for n in notices(session, None, [dynamo, later])] == [later]  # after one told
     assert len(notices(session + "-other", None, [vllm])) == 1  # another session is owed its own
     assert notices(session, None, [(None, "http", "h", 1)]) == []  # type: ignore[list-item]
 
@@ -224,7 +226,8 @@ def test_notices_beyond_the_slots_are_dropped_and_the_exit_does_not_wait_for_the
     first.start()
     _wait_for(lambda: in_flight() == 1)
     started = time.monotonic()
-    finish(SESSION + "-s2", None, {_visit("vllm-router", server)})  # no slot: dropped, no wait
+    two = {_visit("vllm-router", server), _visit("dynamo", server)}
+    finish(SESSION + "-s2", None, two)  # no slot for either: both dropped, no wait
     assert time.monotonic() - started < 0.1
     first.join()
     _wait_for(lambda: in_flight() == 0)
@@ -399,3 +402,39 @@ def test_an_async_exit_awaits_its_notices_within_the_budget(served: tuple[Router
     asyncio.run(_session_end.finish_async(SESSION + "-async2", None, {_visit("vllm-router", server)}))
     assert BUDGET_SECONDS * 0.9 <= time.monotonic() - started < BUDGET_SECONDS + 0.3
     _wait_for(lambda: in_flight() == 0, timeout=NOTICE_DEADLINE_S + 2)
+
+
+def test_visits_to_one_router_with_and_without_a_port_are_each_owed_a_notice() -> None:
+    """The visits are ordered by their text, so a port that is ``None`` beside a number (the same
+    router spelled two ways) never has to be compared with it."""
+    session = "ports-" + str(time.monotonic_ns())
+    bare, numbered = ("vllm-router", "http", "h", None), ("vllm-router", "http", "h", 8000)
+    owed = notices(session, None, [numbered, bare])
+    assert [n.base for n in owed] == ["http://h:8000", "http://h"]
+
+
+def test_an_async_exit_tells_the_parent_and_reports_a_fault_as_the_sync_one_does(
+    served: tuple[Router, AsgiServer], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    from otel_session import _faults
+
+    router, server = served
+    asyncio.run(_session_end.finish_async(SESSION + "-ap", PARENT, {_visit("dynamo", server)}))
+    _wait_for(lambda: router.posts())
+    assert router.posts()[0].headers["x-dynamo-parent-session-id"] == PARENT
+    monkeypatch.setattr(_faults, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        asyncio.run(_session_end.finish_async(SESSION, None, 42))  # type: ignore[arg-type]
+    (said,) = _warnings(caplog)
+    assert said.startswith("otel-session: ending sessions failed (TypeError)"), said
+    assert caplog.records[-1].exc_info is not None
+
+
+def test_the_vllm_routers_finish_says_its_body_is_empty(served: tuple[Router, AsgiServer]) -> None:
+    """``Content-Length: 0``: a POST that says nothing of its length may be refused (411)."""
+    router, server = served
+    finish(SESSION + "-len", None, {_visit("vllm-router", server)})
+    _wait_for(lambda: router.posts())
+    assert router.posts()[0].headers.get("content-length") == "0"
