@@ -5,7 +5,9 @@ A GRPO step ends with its slowest trajectory, and a pinned session cannot leave 
 (issue 33), so a faster mean turn can still be a longer step. From what ``_evidence`` already
 reads (the worker Dynamo names when asked through ``nvext``, and each turn's latency where the
 client measured one) this keeps, per router, the turns of the last ``WINDOW`` seconds and the
-workers ever seen, and says which workers are crowded. Thresholds and their reasons: docs/tracing.md.
+workers ever seen, and says which workers are crowded; not in a step's tail (the window holding
+under half the most sessions it has held), where the last groups on a few workers are no crowding.
+Thresholds and their reasons: docs/tracing.md.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Fleet:
     recent: deque[Seen] = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
     crowded: frozenset[int] = frozenset()
     since: int = 0
+    peak: int = 0  # the most sessions a look has found in the window
 
     def turn(self, session: str, worker: int, latency: float | None, now: float | None = None) -> Look | None:
         """One turn of ``session`` on ``worker``; every ``EVERY`` turns a look at the window (``None``
@@ -69,6 +72,10 @@ class Fleet:
         for _, session, worker, _ in self.recent:
             per_worker.setdefault(worker, set()).add(session)
         sessions = len({session for _, session, _, _ in self.recent})
+        self.peak = max(self.peak, sessions)
+        if sessions * 2 < self.peak:  # a step's tail: its last groups on a few workers, the rest done
+            self.crowded = frozenset()
+            return None
         known = len(self.workers)
         share = sessions / known if known else 0.0
         crowded = {

@@ -173,3 +173,27 @@ def test_the_workers_kept_stop_at_their_cap(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_an_empty_window_is_no_look() -> None:
     assert _crowding.Fleet().look(1.0) is None
+
+
+def test_a_steps_tail_on_a_few_workers_is_not_crowding() -> None:
+    """256 workers, one group of 4 siblings on each (balanced: silent); 30 s later only the last
+    group still takes turns, its 4 sessions on one worker while every other worker is done. Once
+    read as crowding (4 sessions, 255 idle workers: the warning and ``fleet``'s withholding at the
+    end of every step, found on a 256-worker run); a tail is a window under half the most sessions
+    it held. At exactly half, it is judged."""
+    fleet = _crowding.Fleet()
+    for worker in range(256):
+        for s in range(4):
+            assert fleet.turn(f"w{worker}s{s}", worker, None, 100.0) is None
+    assert fleet.peak == 1024
+    for turn in range(2):
+        for s in range(4):
+            assert fleet.turn(f"w7s{s}", 7, None, 100.0 + _crowding.WINDOW + 1 + turn) is None
+    assert fleet.crowded == frozenset()
+    half = _crowding.Fleet(peak=16)
+    _fill(half, [(f"s{i}", 1, None) for i in range(8)], 100.0)
+    half.workers.update(range(2, 11))
+    look = half.look(100.0)
+    assert look is not None and look.crowded == {1: 8} and look.idle == 9
+    half.peak = 17
+    assert half.look(100.0) is None and half.crowded == frozenset()
