@@ -213,6 +213,7 @@ STEP_FRONTENDS_SYNC = "0.72-0.84x"  # 3 frontends, kv alone, with --router-repli
 STEP_FRONTENDS_PACED = (
     "0.52-0.77x"  # 3 synced frontends, parent-hashed, the default by the burst (32-128 workers)
 )
+STEP_FRONTENDS_PACED_256 = "1.39-1.69x"  # the same on 256 workers (1 run: two groups on a worker)
 STEP_RR = "1.51x"  # round-robin, no header (GRPO)
 STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
@@ -266,8 +267,10 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         f"{STEP_FRONTENDS_SYNC} of theirs without it), or keep it on with --router-replica-sync and a "
         "balancer hashing X-Dynamo-Parent-Session-ID where a request carries one (else "
         "X-Dynamo-Session-ID), the default pacing a step's new parents up to 40 ms apart for the "
-        f"frontends' shared load view to catch up (measured {STEP_FRONTENDS_PACED} kv routing alone's; "
-        "do not set OTEL_SESSION_PACE_MS to 10 there)"
+        f"frontends' shared load view to catch up (measured {STEP_FRONTENDS_PACED} kv routing alone's "
+        f"on 32-128 workers, but {STEP_FRONTENDS_PACED_256} on 256, where a step's 256 new parents "
+        "go 12 ms apart: past 128 workers, prefer kv routing alone with the sync; do not set "
+        "OTEL_SESSION_PACE_MS to 10 there)"
     )
     unaware = (
         "round-robin or random routing cannot see the caches: run --router-mode kv instead "
