@@ -93,8 +93,12 @@ def test_entries_name_a_function_and_maybe_a_key() -> None:
     name, key = entry(" my_rl.rollouts:Agent.run [ group = uid ] ")
     assert name == "my_rl.rollouts:Agent.run" and key is not None and key.argument == "uid"
     assert entry("a:b") == ("a:b", None)
-    with pytest.raises(ValueError, match=r"is not module:Qualified\.name\[group=\.\.\.\] \(e\.g\. "):
+    with pytest.raises(ValueError) as bad:
         entry("not an entry")
+    assert str(bad.value) == (
+        "'not an entry' is not module:Qualified.name[group=...] (e.g. my_rl.rollouts:Agent.run_episode, "
+        "my_rl.rollouts:run_episode[group=uid])"
+    )
     with pytest.raises(ValueError, match=r"^a:b: group='x\|y'"):
         entry("a:b[group=x|y]")
     assert name_of("a:b[group=x|y]") == "a:b"
@@ -106,3 +110,23 @@ def test_split_keeps_brackets_whole_and_drops_empty_entries() -> None:
     assert split("a:b[[x],y],c:d") == ["a:b[[x],y]", "c:d"]  # each ] closes one [ only
     assert split("a:b],c:d") == ["a:b]", "c:d"]  # a stray ] does not swallow the next separator
     assert split(" , a:b ,, ") == [" a:b "]
+
+
+def test_a_container_whose_own_code_raises_says_what_raised_where() -> None:
+    """The application's container raising as it is read (a lazy record) is one line naming the
+    step, where it was, the container's type and the error's, never the error itself."""
+
+    class Lazy(dict[str, object]):
+        def __contains__(self, key: object) -> bool:
+            raise KeyError("the record is gone")
+
+    class Rows(list[object]):
+        def __len__(self) -> int:
+            raise RuntimeError("not loaded")
+
+    with pytest.raises(Unresolved) as caught:
+        GroupKey.parse("task.uid").read(Lazy())
+    assert str(caught.value) == "reading uid of task (Lazy) raised KeyError"
+    with pytest.raises(Unresolved) as caught:
+        GroupKey.parse("rows.0").read(Rows([1]))
+    assert str(caught.value) == "reading 0 of rows (Rows) raised RuntimeError"
