@@ -107,6 +107,12 @@ def test_a_key_whose_hash_raises_names_no_parent_and_says_so_once(
         assert _siblings.key_of(("ok", 1)) == GroupKey(("ok", 1))
     (said,) = [r.getMessage() for r in caplog.records if r.name == "otel_session"]
     assert "a trajectory(group=...) key of type Unhashable cannot be hashed (ValueError); its " in said
+    monkeypatch.setattr(_faults, "_reported", set())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        assert _siblings.key_of(Unhashable()) is None  # trajectory(group=...)'s first: its own line
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "otel_session"]
+    assert "a trajectory(group=...) key of type Unhashable cannot be hashed (ValueError); its " in said
 
 
 def test_a_ticket_equals_only_a_ticket_of_an_equal_key() -> None:
