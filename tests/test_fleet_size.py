@@ -283,3 +283,31 @@ def test_a_health_of_exactly_the_cap_is_read_and_a_byte_more_is_not(monkeypatch:
     )
     said = _health_of(b"\x1b]0;owned\x07\r\nnot json")[1]
     assert said.startswith("its /health cannot be read (JSONDecodeError: ") and "\r" not in said
+
+
+class _Endless(_Health):
+    """A /health that never ends: spaces until the client hangs up (no Content-Length)."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        try:
+            while True:
+                self.wfile.write(b" " * 65536)
+        except OSError:
+            pass
+
+
+def test_a_health_that_never_ends_is_read_up_to_the_cap_not_to_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_fleet, "CAP", 2**20)
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endless) as server:
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        try:
+            began = time.monotonic()
+            said = _fleet.read(("http", "127.0.0.1", server.server_address[1]), began + 5)
+            took = time.monotonic() - began
+        finally:
+            server.shutdown()
+    assert said == (_fleet.UNREADABLE, "its /health is over 1 MiB") and took < 2.5, (said, took)
