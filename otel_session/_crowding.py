@@ -6,7 +6,8 @@ A GRPO step ends with its slowest trajectory, and a pinned session cannot leave 
 reads (the worker Dynamo names when asked through ``nvext``, and each turn's latency where the
 client measured one) this keeps, per router, the turns of the last ``WINDOW`` seconds and the
 workers ever seen, and says which workers are crowded; not in a step's tail (the window holding
-under half the most sessions it has held), where the last groups on a few workers are no crowding.
+under half the most sessions it has held, that most halving every minute: a step of the same size
+run slower later is judged), where the last groups on a few workers are no crowding.
 Thresholds and their reasons: docs/tracing.md.
 """
 
@@ -24,6 +25,7 @@ CROWDED_SESSIONS = 4  # a worker is crowded with at least this many sessions in 
 CROWD_RATIO = 2.5  # ... and this many times the sessions per worker seen (a fair share)
 MIN_LATENCIES = 4  # turns with a latency on each side before latency may speak
 SLOWER = 1.5  # turns on crowded workers this many times slower (median) than the others'
+PEAK_HALF_LIFE = 60.0  # seconds for the most sessions a window held to count half (a tail is recent)
 
 
 Seen = tuple[float, str, int, "float | None"]
@@ -50,7 +52,8 @@ class Fleet:
     recent: deque[Seen] = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
     crowded: frozenset[int] = frozenset()
     since: int = 0
-    peak: int = 0  # the most sessions a look has found in the window
+    peak: float = 0.0  # the most sessions a look has found in the window, halving every PEAK_HALF_LIFE
+    peaked: float = 0.0  # when ``peak`` was last brought up to date
 
     def turn(self, session: str, worker: int, latency: float | None, now: float | None = None) -> Look | None:
         """One turn of ``session`` on ``worker``; every ``EVERY`` turns a look at the window (``None``
@@ -72,7 +75,8 @@ class Fleet:
         for _, session, worker, _ in self.recent:
             per_worker.setdefault(worker, set()).add(session)
         sessions = len({session for _, session, _, _ in self.recent})
-        self.peak = max(self.peak, sessions)
+        self.peak *= 0.5 ** (max(0.0, now - self.peaked) / PEAK_HALF_LIFE)
+        self.peak, self.peaked = max(self.peak, sessions), now
         if sessions * 2 < self.peak:  # a step's tail: its last groups on a few workers, the rest done
             self.crowded = frozenset()
             return None

@@ -190,10 +190,29 @@ def test_a_steps_tail_on_a_few_workers_is_not_crowding() -> None:
         for s in range(4):
             assert fleet.turn(f"w7s{s}", 7, None, 100.0 + _crowding.WINDOW + 1 + turn) is None
     assert fleet.crowded == frozenset()
-    half = _crowding.Fleet(peak=16)
+    half = _crowding.Fleet(peak=16, peaked=100.0)
     _fill(half, [(f"s{i}", 1, None) for i in range(8)], 100.0)
     half.workers.update(range(2, 11))
     look = half.look(100.0)
     assert look is not None and look.crowded == {1: 8} and look.idle == 9
     half.peak = 17
     assert half.look(100.0) is None and half.crowded == frozenset()
+
+
+def test_the_most_sessions_held_halves_every_minute_so_a_slower_step_of_the_same_size_is_judged() -> None:
+    """Short balanced steps packed 448 sessions into one window; later steps of the same size, run
+    slower because one worker is crowded, hold 64 a window (found by an outside attack: never judged
+    again). The 448 count half as much a minute later, so such a step is judged 2.5 minutes on
+    (448 / 2**2.5 = 79, under 2 x 64), not half a minute on, as a tail of those steps (317)."""
+    crowded = [(f"c{i}", 0, None) for i in range(16)] + [(f"o{i}", 1 + i % 15, None) for i in range(48)]
+    for since, decayed, judged in ((30.0, 448 * 0.5**0.5, False), (150.0, 448 * 0.5**2.5, True)):
+        fleet = _crowding.Fleet(peak=448, peaked=100.0)
+        fleet.workers.update(range(16))
+        _fill(fleet, crowded, 100.0 + since)
+        look = fleet.look(100.0 + since)
+        assert (look is not None) is judged and fleet.peak == pytest.approx(decayed)
+    assert look is not None and look.crowded == {0: 16}
+    fleet = _crowding.Fleet(peak=100, peaked=100.0)
+    _fill(fleet, crowded, 40.0)  # a clock gone back: the most held does not grow, nothing raises
+    fleet.look(40.0)
+    assert fleet.peak == 100 and fleet.peaked == 40.0
