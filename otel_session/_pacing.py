@@ -13,9 +13,9 @@ last ``SPREAD``: ``WIDE`` apart while they fit ``BURST`` seconds at that, down t
 one (frontends that share their load views late need ``WIDE``, one frontend ``PACE``;
 docs/performance.md, "New parents, paced"). A steady stream of new parents, once it has run for
 ``SPREAD``, is paced at three quarters of its own interval (``BURST / SPREAD``), so the backlog of
-its first seconds drains. No request waits more than
-``SPREAD``: parents past it go together at its end, as a burst goes without pacing. Where every
-request waiting at a router gave up (a cancelled step), the turns it held are handed back.
+its first seconds drains. No request waits more than ``SPREAD``: parents past it go together at its
+end, as a burst goes without pacing. Where every request waiting at a router gave up (a cancelled
+step), the turns it held are handed back.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ non-equivalent mutants is below ``--threshold``, or when a mutant listed as equi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -302,7 +303,7 @@ def mutmut_with_tests_by_module() -> None:
 
         def collect_data_without_equivalents(*, mutant_names: tuple[str, ...] | list[str]) -> Any:
             mutants, by_path = collect_data(mutant_names=mutant_names)
-            kept = [m for m in mutants if not is_listed_equivalent(m[1].replace("__init__.", ""))]
+            kept = [m for m in mutants if listed_key(m[1].replace("__init__.", "")) is None]
             return (kept or mutants[:1]), by_path  # mutmut refuses an empty selection
 
         mutmut_main.collect_source_file_mutation_data = collect_data_without_equivalents
@@ -310,19 +311,22 @@ def mutmut_with_tests_by_module() -> None:
     mutmut_main.cli()
 
 
-_EQUIVALENTS: dict[tuple[str, tuple[str, ...]], str] | None = None
-_LISTED: set[str] = set()
+@functools.cache
+def _listed() -> tuple[dict[tuple[str, tuple[str, ...]], str], frozenset[str]]:
+    """The equivalents file, read once, and the functions it names."""
+    equivalents = read_equivalents()
+    return equivalents, frozenset(function for function, _ in equivalents)
 
 
-def is_listed_equivalent(mutant: str) -> bool:
-    """Whether ``mutant`` is in ``scripts/mutation_equivalents.txt`` (its diff read only when its
-    function has an entry)."""
-    global _EQUIVALENTS, _LISTED
-    if _EQUIVALENTS is None:
-        _EQUIVALENTS = read_equivalents()
-        _LISTED = {function for function, _ in _EQUIVALENTS}
+def listed_key(mutant: str) -> tuple[str, tuple[str, ...]] | None:
+    """``mutant``'s key where ``scripts/mutation_equivalents.txt`` lists it, else ``None`` (its diff
+    read only when its function has an entry)."""
+    equivalents, functions = _listed()
     function = readable(mutant)
-    return function in _LISTED and (function, changed_lines(mutant)) in _EQUIVALENTS
+    if function not in functions:
+        return None
+    key = (function, changed_lines(mutant))
+    return key if key in equivalents else None
 
 
 def results(modules: list[str]) -> dict[str, str]:
@@ -381,9 +385,8 @@ def main() -> int:
     for name in chosen:
         module = module_of(name)
         killed = status[name] in ("killed", "timeout")
-        listed = is_listed_equivalent(name)
-        key = (readable(name), changed_lines(name)) if listed or not killed else None
-        if key is not None and listed:
+        key = listed_key(name)
+        if key is not None:
             rows[module]["equivalent"] += 1
             if killed:
                 wrongly_listed.append((name, key))
@@ -391,10 +394,9 @@ def main() -> int:
             rows[module]["killed"] += 1
         else:
             rows[module]["survived"] += 1
-            survivors.append((name, status[name], key))
+            survivors.append((name, status[name], (readable(name), changed_lines(name))))
 
     for name, status_text, key in survivors:
-        assert key is not None
         print(f"\nsurvived ({status_text}): {name}\n[{key[0]}]")
         print("\n".join(key[1]))
     for name, key in wrongly_listed:
