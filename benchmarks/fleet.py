@@ -170,6 +170,7 @@ ARMS: dict[str, Arm] = {
         Arm(
             "3fe-parent-sync:kv+default", "kv", "default", frontends=3, balancer="parent", frontend_args=_SYNC
         ),
+        Arm("3fe-parent-sync:kv+fleet", "kv", "fleet", frontends=3, balancer="parent", frontend_args=_SYNC),
         Arm(
             "3fe-parent-sync:kv+default/pace40",
             "kv",

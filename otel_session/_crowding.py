@@ -22,7 +22,8 @@ WORKERS_KEPT = 4096
 TURNS_KEPT = 4096
 EVERY = 8  # turns between two looks (a look walks the window)
 CROWDED_SESSIONS = 4  # a worker is crowded with at least this many sessions in the window ...
-CROWD_RATIO = 2.5  # ... and this many times the sessions per worker seen (a fair share)
+CROWD_RATIO = 2.0  # ... and this many times the sessions per worker seen (a fair share): two groups
+# where the library sized one per worker
 MIN_LATENCIES = 4  # turns with a latency on each side before latency may speak
 SLOWER = 1.5  # turns on crowded workers this many times slower (median) than the others'
 PEAK_HALF_LIFE = 60.0  # seconds for the most sessions a window held to count half (a tail is recent)

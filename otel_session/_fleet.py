@@ -74,6 +74,14 @@ def size_at(origin: Origin, tell: bool = True) -> int | None:
     return known[0] if known is not None else None
 
 
+def size_seen(origin: Origin) -> int | None:
+    """The router's fleet size as last read, never starting a read (policies that do not size by it
+    never ask the router's /health)."""
+    with _lock:
+        known = _sizes.get(origin)
+    return known[0] if known is not None else None
+
+
 def read(origin: Origin, deadline: float) -> tuple[int, str]:
     """One GET of the router's ``/health``, done by ``deadline``: its workers (``UNREADABLE`` where
     it lists none or cannot be read) and, where none, why, in words fit for one line."""

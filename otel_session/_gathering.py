@@ -87,7 +87,8 @@ async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destinatio
             await _shared(_origin(destination)).ended()
         parent = _turn(offered, body, destination)[1]
         if parent is not None:
-            await _pacing.wait(_origin(destination), parent, _pace())
+            origin = _origin(destination)
+            await _pacing.wait(origin, parent, _pace(), _fleet.size_seen(origin))
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
 
@@ -108,7 +109,8 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
                 _shared_here(_origin(destination)).ended_here()
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
-            _pacing.wait_here(_origin(destination), parent, not on_a_loop, _pace())
+            origin = _origin(destination)
+            _pacing.wait_here(origin, parent, not on_a_loop, _pace(), _fleet.size_seen(origin))
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
     return offered

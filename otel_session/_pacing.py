@@ -6,16 +6,18 @@ GRPO step opens all its groups at once, and that burst of new parents lands unev
 on one worker, one on another), so the step waits for the crowded worker. The first request under a
 parent takes the parent's turn, a slot ``PACE`` after the last parent's at its router, and every
 request under the parent waits for it; as the slot comes the parent leaves some time after the last
-parent that left there (slots that passed while an event loop was busy would otherwise go
-together), so the router counts each parent before it places the next. How long: a fixed pace where
-one is configured (``OTEL_SESSION_PACE_MS``), else by the burst, the parents that asked there in the
-last ``SPREAD``: ``WIDE`` apart while they fit ``BURST`` seconds at that, down to ``PACE`` for a large
+parent that left there (slots that passed while an event loop was busy would otherwise go together),
+so the router counts each parent before it places the next. How long: a fixed pace where one is
+configured (``OTEL_SESSION_PACE_MS``), else by the burst, the parents that asked there in the last
+``SPREAD``: ``WIDE`` apart while they fit ``BURST`` seconds at that, down to ``PACE`` for a large
 one (frontends that share their load views late need ``WIDE``, one frontend ``PACE``;
-docs/performance.md, "New parents, paced"). A steady stream of new parents, once it has run for
-``SPREAD``, is paced at three quarters of its own interval (``BURST / SPREAD``), so the backlog of
-its first seconds drains. No request waits more than ``SPREAD``: parents past it go together at its
-end, as a burst goes without pacing. Where every request waiting at a router gave up (a cancelled
-step), the turns it held are handed back.
+docs/performance.md, "New parents, paced"); ``PACE`` where the burst has more parents than the
+router has workers, which must share workers: the router balances them only on a view that holds
+them all, and ``WIDE`` apart the first groups' turns end in between, so a worker in a pause looks
+free. A steady stream of new parents, once it has run for ``SPREAD``, is paced at three quarters of
+its own interval (``BURST / SPREAD``), so the backlog of its first seconds drains. No request waits
+more than ``SPREAD``: parents past it go together at its end, as a burst goes without pacing. Where
+every request waiting at a router gave up (a cancelled step), the turns it held are handed back.
 """
 
 from __future__ import annotations
@@ -83,15 +85,15 @@ def waits(parent: str) -> bool:
     return turn is None or turn.left is None or turn.left > time.monotonic()
 
 
-async def wait(origin: Origin, parent: str, pace: float | None = PACE) -> None:
+async def wait(origin: Origin, parent: str, pace: float | None = PACE, workers: int | None = None) -> None:
     """Wait for ``parent``'s turn at ``origin`` (an asyncio task), new parents ``pace`` seconds
-    apart (``None``: by the burst): cancelled, it gives its turn back where no other request waits
-    there."""
+    apart (``None``: by the burst, at a router of ``workers`` where known): cancelled, it gives its
+    turn back where no other request waits there."""
     origin = canonical_origin(*origin)  # port None and 80, as clients spell them, are one router
     era, end = _era, time.monotonic() + SPREAD
     _count(origin, 1)
     try:
-        while (pause := _pause(origin, parent, pace, era, end)) > 0:
+        while (pause := _pause(origin, parent, pace, era, end, workers)) > 0:
             await asyncio.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -99,14 +101,16 @@ async def wait(origin: Origin, parent: str, pace: float | None = PACE) -> None:
     _count(origin, -1)
 
 
-def wait_here(origin: Origin, parent: str, sleep: bool, pace: float | None = PACE) -> None:
+def wait_here(
+    origin: Origin, parent: str, sleep: bool, pace: float | None = PACE, workers: int | None = None
+) -> None:
     """``wait`` for a blocking client; ``sleep`` false (a thread that runs an event loop) takes the
     turn and goes at once."""
     origin = canonical_origin(*origin)
     era, end = _era, time.monotonic() + SPREAD
     _count(origin, 1)
     try:
-        while (pause := _pause(origin, parent, pace, era, end)) > 0 and sleep:
+        while (pause := _pause(origin, parent, pace, era, end, workers)) > 0 and sleep:
             time.sleep(pause)
     except BaseException:
         _gave_up(origin)
@@ -114,22 +118,24 @@ def wait_here(origin: Origin, parent: str, sleep: bool, pace: float | None = PAC
     _count(origin, -1)
 
 
-def _pause(origin: Origin, parent: str, pace: float | None, era: int, end: float) -> float:
+def _pause(
+    origin: Origin, parent: str, pace: float | None, era: int, end: float, workers: int | None
+) -> float:
     """How long a wait that began in ``era`` and ends by ``end`` at the latest sleeps next: none once
     the turns were forgotten (``unconfigure()``, another pace), whose table its turn was in."""
     if era != _era:
         return 0.0
-    return min(_delay(origin, parent, pace), end - time.monotonic())
+    return min(_delay(origin, parent, pace, workers), end - time.monotonic())
 
 
-def delay(origin: Origin, parent: str, pace: float | None = PACE) -> float:
+def delay(origin: Origin, parent: str, pace: float | None = PACE, workers: int | None = None) -> float:
     """Seconds a request under ``parent`` to ``origin`` waits from now: until the parent's slot,
     taken now by the first request to ask; once the slot has come, until the parent leaves, ``pace``
     after the last to leave there (``apart``; siblings go with it)."""
-    return _delay(canonical_origin(*origin), parent, pace)
+    return _delay(canonical_origin(*origin), parent, pace, workers)
 
 
-def _delay(origin: Origin, parent: str, pace: float | None) -> float:
+def _delay(origin: Origin, parent: str, pace: float | None, workers: int | None = None) -> float:
     """``delay`` at ``origin`` as ``canonical_origin`` spells it (what ``wait`` holds already)."""
     now = time.monotonic()
     with _lock:
@@ -146,18 +152,21 @@ def _delay(origin: Origin, parent: str, pace: float | None) -> float:
             if turn.at > now:
                 return turn.at - now
             queue = _queue(turn.origin, now)
-            turn.left = min(max(now, queue.left + apart(pace, queue.burst(now))), turn.latest)
+            turn.left = min(max(now, queue.left + apart(pace, queue.burst(now), workers)), turn.latest)
             queue.left = max(queue.left, turn.left)
     return max(0.0, turn.left - now)
 
 
-def apart(pace: float | None, burst: int) -> float:
+def apart(pace: float | None, burst: int, workers: int | None = None) -> float:
     """Seconds between two parents leaving a router: ``pace`` where configured, else ``WIDE`` for a
-    burst of parents that fits ``BURST`` at that, closer for a larger one, never under ``PACE``. A
-    stream of parents ``1 / r`` apart is a burst of ``SPREAD * r``: paced ``BURST / SPREAD`` of its
-    interval, it does not back up (up to ``1 / PACE`` a second)."""
+    burst of parents that fits ``BURST`` at that, closer for a larger one, never under ``PACE``, and
+    ``PACE`` for a burst of more parents than the router's ``workers`` (where known). A stream of
+    parents ``1 / r`` apart is a burst of ``SPREAD * r``: paced ``BURST / SPREAD`` of its interval,
+    it does not back up (up to ``1 / PACE`` a second)."""
     if pace is not None:
         return pace
+    if workers and burst > workers:
+        return PACE
     return min(WIDE, max(PACE, BURST / max(burst, 1)))
 
 

@@ -95,6 +95,22 @@ def silent_peer() -> Iterator[tuple[str, int]]:
     sock.close()
 
 
+def test_the_size_seen_is_the_last_read_and_never_starts_one(dynamo: Recorder) -> None:
+    """What ``_pacing`` is handed (more parents than workers go closer): the size a read found, per
+    router, ``None`` before any, and never a /health read of its own (policies that do not size by
+    the fleet never ask)."""
+    dynamo.instances = 3
+    origin = ("http", dynamo.host, dynamo.port)
+    other = ("http", dynamo.host, dynamo.port + 1)
+    assert _fleet.size_seen(origin) is None
+    time.sleep(0.1)
+    assert not dynamo.health_reads and dynamo.url not in _fleet.known()
+    _fleet.size_at(origin)
+    assert _wait_known(dynamo.url) == 3
+    assert _fleet.size_seen(origin) == 3 and _fleet.size_seen(other) is None
+    assert len(dynamo.health_reads) == 1
+
+
 def test_a_peer_that_never_answers_costs_no_request_and_ends_unreadable(
     silent_peer: tuple[str, int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

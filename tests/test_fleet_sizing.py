@@ -84,8 +84,9 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert "from the first step (its attempts wait a moment" in note and "cannot be read in time" in note
     assert "OTEL_SESSION_SIBLINGS=fleet" in idle
     assert "pairs them (groups:2)" in siblings_note(None, 8, 16)
-    paced = "sends each new group's first requests 10-40 ms after the last group's"
+    paced = "sends each new group's first requests 10 ms after the last group's"
     assert paced in siblings_note(8, 16, 4) and "16 prompts on 8 workers" in siblings_note(8, 16, 4)
+    assert "(0.55-0.75x kv routing alone's step; 40 ms apart" in siblings_note(8, 16, 4)
     assert paced not in siblings_note(8, 8, 4) + siblings_note(8, 16, 1) + siblings_note(32, 16, 8)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
 

@@ -165,6 +165,23 @@ def test_a_later_step_is_paced_too(
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
 
 
+@pytest.mark.parametrize("client", ["httpx", "requests"])
+@pytest.mark.parametrize(("workers", "wide"), [(4, False), (8, True)])
+def test_a_step_of_more_parents_than_workers_is_paced_closer(
+    dynamo: Recorder, client: str, workers: int, wide: bool
+) -> None:
+    """Under the default, 8 prompts x 2 siblings: 8 parents. On 4 workers they must share them, and
+    leave ``PACE`` (10 ms) apart; on 8, one each, ``WIDE`` (40 ms) apart."""
+    dynamo.instances = workers
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    _step(dynamo, prompts=8, siblings=2, client=client)
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 8
+    _assert_paced(arrivals)
+    spread = arrivals[-1] - arrivals[0]
+    assert (spread >= 7 * 0.04 * 0.8) if wide else (spread < 7 * 0.04 * 0.8), spread
+
+
 def test_a_large_step_waits_the_spread_at_most(dynamo: Recorder) -> None:
     """500 prompts, each attempt under a parent of its own (groups:1): 500 parents, 10 ms apart for
     ``SPREAD`` (4 s: 400 of them), the rest together at its end, not 5 s later."""
@@ -674,16 +691,20 @@ def test_a_turn_whose_routers_queue_was_dropped_still_comes(clock: _Clock) -> No
 
 
 def _leaving(
-    clock: _Clock, here: tuple[str, str, int], parents: list[str], pace: float | None = None
+    clock: _Clock,
+    here: tuple[str, str, int],
+    parents: list[str],
+    pace: float | None = None,
+    workers: int | None = None,
 ) -> list[float]:
     """``parents`` ask for their turns at once; then each asks again as its slot comes: when each
     leaves, in seconds from the first ask."""
     start = clock.now
-    slots = [_pacing.delay(here, parent, pace) for parent in parents]
+    slots = [_pacing.delay(here, parent, pace, workers) for parent in parents]
     left = []
     for parent, slot in zip(parents, slots, strict=True):
         clock.now = max(clock.now, start + slot)
-        left.append(round(clock.now + _pacing.delay(here, parent, pace) - start, 6))
+        left.append(round(clock.now + _pacing.delay(here, parent, pace, workers) - start, 6))
     return left
 
 
@@ -701,6 +722,32 @@ def test_unless_a_pace_is_set_a_burst_leaves_wide_apart_while_small_closer_as_it
     left = _leaving(clock, here, [f"p{n}" for n in range(count)])
     assert left == [pytest.approx(n * gap) for n in range(count)]
     assert _pacing.apart(None, count) == pytest.approx(gap)
+
+
+@pytest.mark.parametrize(
+    ("count", "workers", "gap"),
+    [
+        (9, 8, 0.01),
+        (8, 8, 0.04),
+        (2, 1, 0.01),
+        (9, 0, 0.04),
+        (9, None, 0.04),
+        (100, 64, 0.01),
+        (100, 100, 0.03),
+    ],
+)
+def test_a_burst_of_more_parents_than_workers_leaves_pace_apart(
+    clock: _Clock, count: int, workers: int | None, gap: float
+) -> None:
+    """More parents than the router's workers must share workers, and the router balances them only
+    on a view that holds them all: ``PACE`` apart (40 ms apart, 16 parents on 8 workers took the step
+    to 1.03-1.25x kv routing alone's, the busiest worker 1.5x a fair share; 10 ms: 0.72-0.79x). As
+    many as the workers, or a fleet not known (0: its /health lists none), by the burst."""
+    here = ("http", "127.0.0.1", 1)
+    left = _leaving(clock, here, [f"p{n}" for n in range(count)], workers=workers)
+    assert left == [pytest.approx(n * gap) for n in range(count)]
+    assert _pacing.apart(None, count, workers) == pytest.approx(gap)
+    assert _pacing.apart(0.02, count, workers) == 0.02  # a pace set is kept
 
 
 def test_a_set_pace_is_kept_whatever_the_burst(clock: _Clock) -> None:
