@@ -152,6 +152,9 @@ def test_step_advice_turns_affinity_on_only_with_groups_the_caches_hold() -> Non
         assert "--router-replica-sync and a balancer hashing X-Dynamo-Parent-Session-ID" in ample
         assert "up to 40 ms apart" in ample and "0.52-0.77x kv routing alone's on 32-128 workers" in ample
         assert "but 1.39-1.69x on 256" in ample and "prefer kv routing alone with the sync" in ample
+        assert (
+            "OTEL_SESSION_SIBLINGS=fleet, which stops pinning there after one such step (1.39x, then" in ample
+        )
         assert "leave session affinity off" not in ample and "--kv-tokens" not in tight + ample
         assert "--kv-tokens" in step_advice(layout)  # unknown: how to have it checked
     assert step_advice("unaware", True) == step_advice("unaware", False)  # switch to kv routing first

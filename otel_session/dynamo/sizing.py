@@ -215,6 +215,7 @@ STEP_FRONTENDS_PACED = (
     "0.52-0.77x"  # 3 synced frontends, parent-hashed, the default by the burst (32-128 workers)
 )
 STEP_FRONTENDS_PACED_256 = "1.39-1.69x"  # the same on 256 workers (1 run: two groups on a worker)
+STEP_FLEET_256 = "1.39x, then 0.91-0.99x"  # ``fleet`` there: one step pinned, then withheld (1 run)
 STEP_RR = "1.51x"  # round-robin, no header (GRPO)
 STEP_RR_ON = "0.89x round-robin alone's"  # round-robin + the default, affinity on, one frontend (GRPO)
 
@@ -270,8 +271,9 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
         "X-Dynamo-Session-ID), the default pacing a step's new parents up to 40 ms apart for the "
         f"frontends' shared load view to catch up (measured {STEP_FRONTENDS_PACED} kv routing alone's "
         f"on 32-128 workers, but {STEP_FRONTENDS_PACED_256} on 256, where a step's 256 new parents "
-        "go 12 ms apart: past 128 workers, prefer kv routing alone with the sync; do not set "
-        "OTEL_SESSION_PACE_MS to 10 there)"
+        "go 12 ms apart: past 128 workers, prefer kv routing alone with the sync, or "
+        f"OTEL_SESSION_SIBLINGS=fleet, which stops pinning there after one such step ({STEP_FLEET_256}); "
+        "do not set OTEL_SESSION_PACE_MS to 10 there)"
     )
     unaware = (
         "round-robin or random routing cannot see the caches: run --router-mode kv instead "
