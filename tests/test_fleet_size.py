@@ -8,16 +8,19 @@ import http.server
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trustme
 
 import otel_session
-from otel_session import SESSION_HEADER, _faults, _fleet
+from otel_session import SESSION_HEADER, _bounded_http, _faults, _fleet
 from tests.recorder import Recorder
 
 _START = threading.Thread.start
@@ -299,6 +302,34 @@ def test_a_health_of_exactly_the_cap_is_read_and_a_byte_more_is_not(monkeypatch:
     )
     said = _health_of(b"\x1b]0;owned\x07\r\nnot json")[1]
     assert said.startswith("its /health cannot be read (JSONDecodeError: ") and "\r" not in said
+
+
+def test_an_https_router_is_read_over_tls_and_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router reached over https: its /health is read over TLS, the certificate checked against the
+    trusted CAs (a test CA, trusted as the system's through ``SSL_CERT_FILE``); one nobody trusts is
+    not read."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    monkeypatch.setattr(_bounded_http, "_tls", None)  # made afresh, reading SSL_CERT_FILE
+    listed = json.dumps({"instances": [{"endpoint": "generate", "instance_id": i} for i in range(2)]})
+    handler = type("Handler", (_Health,), {"body": listed.encode()})
+    for issuer, read in ((ca, (2, "")), (trustme.CA(), None)):
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        issuer.issue_cert("127.0.0.1").configure_cert(tls)
+        with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+            server.socket = tls.wrap_socket(server.socket, server_side=True)
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+            try:
+                said = _fleet.read(("https", "127.0.0.1", server.server_address[1]), time.monotonic() + 5)
+            finally:
+                server.shutdown()
+        if read is not None:
+            assert said == read
+        else:
+            assert said[0] == _fleet.UNREADABLE and "CERTIFICATE_VERIFY_FAILED" in said[1], said
 
 
 class _Endless(_Health):

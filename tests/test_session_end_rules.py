@@ -13,15 +13,17 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import trustme
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import otel_session
-from otel_session import _session_end
+from otel_session import _bounded_http, _session_end
 from otel_session._session_end import (
     BUDGET_SECONDS,
     FINAL_HEADER,
@@ -187,6 +189,28 @@ def test_dynamo_gets_one_final_request_per_listed_model_up_to_the_cap(
         assert post.headers["x-dynamo-session-id"] == SESSION
         assert post.headers["x-dynamo-parent-session-id"] == PARENT
         assert post.headers["x-dynamo-session-final"] == "true"
+    assert [s.path for s in router.seen if s.method == "GET"] == ["/v1/models"]
+
+
+def test_a_router_reached_over_https_is_told_over_tls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routers the application reached over https are told over TLS, the certificate checked (a test
+    CA trusted as the system's through ``SSL_CERT_FILE``): Dynamo's model list and final request,
+    the vLLM router's finish."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))
+    monkeypatch.setattr(_bounded_http, "_tls", None)  # made afresh, reading SSL_CERT_FILE
+    issued = ca.issue_cert("127.0.0.1")
+    issued.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    issued.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    router = Router()
+    with AsgiServer(router.app(), tls=(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"))) as server:
+        finish(SESSION, PARENT, {("dynamo", "https", "127.0.0.1", server.port)})
+        finish(SESSION + "-v", None, {("vllm-router", "https", "127.0.0.1", server.port)})
+        _wait_for(lambda: len(router.posts()) == 2 and in_flight() == 0)
+    assert sorted(p.path for p in router.posts()) == ["/finish_session", "/v1/chat/completions"]
     assert [s.path for s in router.seen if s.method == "GET"] == ["/v1/models"]
 
 
