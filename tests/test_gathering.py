@@ -635,3 +635,32 @@ def test_a_thread_whose_looker_vanished_waits_to_the_bound_once() -> None:
     assert look.end <= left[0] < look.end + _gathering.SETTLE_THREADS + 0.15, left[0] - look.end
     assert look.done.waits <= 2, look.done.waits
     _gathering.forget()
+
+
+def test_unconfigured_while_a_first_step_gathers_its_requests_go_on_without_a_fault(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``unconfigure()`` while a first step's attempts wait for it to gather (the router's /health
+    slow): each request goes on as the wait ends, and nothing is reported as a fault of ours (no
+    settings left to read a pace from is no pace, not an error)."""
+    dynamo.instances = 4
+    dynamo.health_delay = 0.3
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+
+            async def attempt(sibling: int) -> None:
+                async with otel_session.trajectory():
+                    url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
+                    await http.post(url, json={"model": "m", "messages": [{"role": "user", "content": "t"}]})
+
+            step = asyncio.gather(*(attempt(s) for s in range(4)))
+            await asyncio.sleep(0.1)
+            otel_session.unconfigure()
+            await step
+
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        asyncio.run(run())
+    assert len(dynamo.requests) == 4
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
