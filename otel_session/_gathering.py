@@ -82,12 +82,12 @@ async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destinatio
     """In a first step, count the attempt in its group (its prompt's, or its ``group=``) and wait for
     its step's other attempts and the router's fleet size; then decide it and wait for its parent's
     turn at the router. The request is planned and sent after."""
+    origin = _origin(destination)
     try:
         if _counted(offered, body):
-            await _shared(_origin(destination)).ended()
+            await _shared(origin).ended()
         parent = _turn(offered, body, destination)[1]
         if parent is not None:
-            origin = _origin(destination)
             await _pacing.wait(origin, parent, _pace(), _fleet.size_seen(origin))
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
@@ -98,6 +98,7 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
     attempts, and for its parent's turn; what the context offers from then on (decided here, where
     it was). Never sleeps where this thread runs an event loop (it would hold every other task): a
     first step is not gathered there, and a turn is not waited for."""
+    origin = _origin(destination)
     try:
         if not _eligible(offered, destination):
             return offered
@@ -106,10 +107,9 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
             if on_a_loop:
                 return offered
             if _counted(offered, body):
-                _shared_here(_origin(destination)).ended_here()
+                _shared_here(origin).ended_here()
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
-            origin = _origin(destination)
             _pacing.wait_here(origin, parent, not on_a_loop, _pace(), _fleet.size_seen(origin))
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)

@@ -135,7 +135,7 @@ def delay(origin: Origin, parent: str, pace: float | None = PACE, workers: int |
     return _delay(canonical_origin(*origin), parent, pace, workers)
 
 
-def _delay(origin: Origin, parent: str, pace: float | None, workers: int | None = None) -> float:
+def _delay(origin: Origin, parent: str, pace: float | None, workers: int | None) -> float:
     """``delay`` at ``origin`` as ``canonical_origin`` spells it (what ``wait`` holds already)."""
     now = time.monotonic()
     with _lock:

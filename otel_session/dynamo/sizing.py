@@ -159,6 +159,7 @@ DEFAULT_GROUP = 2
 #: tight caches; docs/performance.md, "New parents, paced"): paced, and as it was unpaced.
 CROWDED_STEPS = "0.55-0.75x"
 CROWDED_UNPACED = "0.72-1.52x"
+CROWDED_WIDE = "1.03-1.25x"  # ... and paced 40 ms apart, as a burst of fewer groups than workers is
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
     "key a GRPO step's siblings in groups sized so each worker gets about one group: "
@@ -191,7 +192,7 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
             f"; {prompts} prompts on {workers} workers put several groups on each worker: the library "
             "sends each new group's first requests 10 ms after the last group's, so the router places "
             f"them one at a time, evenly ({CROWDED_STEPS} kv routing alone's step; 40 ms apart, as for "
-            "fewer groups than workers, the step was 1.03-1.25x; sent all at once, "
+            f"fewer groups than workers, the step was {CROWDED_WIDE}; sent all at once, "
             f"half the bursts measured were placed unevenly: {CROWDED_UNPACED})"
         )
     return (
