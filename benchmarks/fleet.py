@@ -146,7 +146,10 @@ ARMS: dict[str, Arm] = {
         Arm("kv+attempt", "kv", "attempt"),
         Arm("kv+prompt", "kv", "prompt"),
         Arm("kv+groups:2", "kv", "groups:2"),
+        Arm("kv+groups:3", "kv", "groups:3"),
         Arm("kv+groups:4", "kv", "groups:4"),
+        Arm("kv+groups:6", "kv", "groups:6"),
+        Arm("kv+groups:8", "kv", "groups:8"),
         Arm("kv+auto", "kv", "auto"),
         Arm("kv+fleet", "kv", "fleet"),
         Arm("kv+fleet/nogroup", "kv", "fleet", name_group=False),
@@ -190,6 +193,7 @@ ARMS: dict[str, Arm] = {
             pace_ms=10,
         ),
         Arm("kv+default/pace10", "kv", "default", pace_ms=10),
+        Arm("kv+default/pace40", "kv", "default", pace_ms=40),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
     )

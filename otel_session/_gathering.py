@@ -88,7 +88,7 @@ async def gather(offered: _hop.Offered, body: Body, destination: _hop.Destinatio
             await _shared(origin).ended()
         parent = _turn(offered, body, destination)[1]
         if parent is not None:
-            await _pacing.wait(origin, parent, _pace(), _fleet.size_seen(origin))
+            await _pacing.wait(origin, parent, _pace(), _workers(origin))
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
 
@@ -110,7 +110,7 @@ def gather_here(offered: _hop.Offered, body: Body, destination: _hop.Destination
                 _shared_here(origin).ended_here()
         offered, parent = _turn(offered, body, destination)
         if parent is not None:
-            _pacing.wait_here(origin, parent, not on_a_loop, _pace(), _fleet.size_seen(origin))
+            _pacing.wait_here(origin, parent, not on_a_loop, _pace(), _workers(origin))
     except Exception as exc:  # a bug of ours: the request goes on, decided as without waiting
         _faults.report("waiting for a first step or a parent's turn", exc)
     return offered
@@ -287,6 +287,14 @@ def _pace() -> float | None:
     """Seconds between new parents at a router, as configured (``None``: by the burst)."""
     settings = _settings.current
     return None if settings is None else settings.pace
+
+
+def _workers(origin: _fleet.Origin) -> int | None:
+    """The router's fleet size as ``_pacing`` paces by it: as last read, where the step's groups are
+    all alike (``_siblings.alike``); ``None`` (paced by the burst alone) where they are not, or the
+    size is unknown."""
+    workers = _fleet.size_seen(origin)
+    return workers if workers is not None and _siblings.alike(workers) else None
 
 
 def _origin(destination: _hop.Destination) -> _fleet.Origin:

@@ -14,8 +14,10 @@ one (frontends that share their load views late need ``WIDE``, one frontend ``PA
 docs/performance.md, "New parents, paced"); ``PACE`` where the burst has more parents than the
 router has workers, which must share workers: the router balances them only on a view that holds
 them all, and ``WIDE`` apart the first groups' turns end in between, so a worker in a pause looks
-free. A steady stream of new parents, once it has run for ``SPREAD``, is paced at three quarters of
-its own interval (``BURST / SPREAD``), so the backlog of its first seconds drains. No request waits
+free (groups of unlike sizes, a prompt split into a group and a smaller rest, are not balanced by
+their count: ``_gathering`` gives no fleet size for them, and they keep the burst's spacing). A
+steady stream of new parents, once it has run for ``SPREAD``, is paced at three quarters of its own
+interval (``BURST / SPREAD``), so the backlog of its first seconds drains. No request waits
 more than ``SPREAD``: parents past it go together at its end, as a burst goes without pacing. Where
 every request waiting at a router gave up (a cancelled step), the turns it held are handed back.
 """

@@ -84,6 +84,7 @@ class Siblings:
 
 
 GROUPS_DEFAULT = 2  # K where it cannot be sized yet: the measured middle (docs/performance.md)
+CROWDED = 1.5  # whole groups' busiest worker against a fair share, past kv routing alone's 1.1-1.4x
 # The default: sized to the fleet from the second step (docs/performance.md, "Step time").
 DEFAULT = Siblings(AUTO)
 
@@ -176,10 +177,63 @@ def _fleet_size(workers: int | None, withhold: bool, gathered: bool) -> tuple[in
 
 
 def group_size(workers: int, groups: int, siblings: int) -> int:
-    """K for ``groups`` (at least 1) groups of ``siblings`` open at once on ``workers`` workers, one
-    group per worker: ``ceil(siblings / max(1, workers // groups))`` (all of a group's siblings where
-    groups are as many as the workers or more). ``otel-session doctor`` states the same rule."""
-    return max(1, math.ceil(siblings / max(1, workers // groups)))
+    """K for ``groups`` (at least 1) groups of ``siblings`` open at once on ``workers`` workers. Where
+    the groups fit the workers, one group per worker: ``ceil(siblings / max(1, workers // groups))``
+    (a sibling alone only where each then has a worker of its own: alone, each recomputes the
+    prompt). Where they outnumber the workers, whole groups, some workers holding one more than
+    others; but where that puts ``CROWDED`` times a fair share of siblings or more on the busiest
+    (10 prompts on 8 workers: two groups on two workers, 1.6x), each prompt in a group and a
+    smaller rest, the largest K whose busiest worker holds the fewest siblings (``busiest``), the
+    rest placed by the router where there is room. ``otel-session doctor`` states the same rule."""
+    fit = max(1, math.ceil(siblings / max(1, workers // groups)))
+    if fit == 1 or groups <= workers or math.ceil(groups / workers) * workers < CROWDED * groups:
+        return fit
+    shape = (workers, groups, siblings)
+    size = _sized.get(shape)
+    if size is None:  # worked out once per shape: every attempt's first request asks (``alike``)
+        halves = range(max(2, math.ceil(siblings / 2)), siblings + 1)  # a prompt in one group or two
+        held = {size: busiest(workers, groups, siblings, size) for size in halves}
+        fewest = min(held.values())
+        size = max(size for size, most in held.items() if most == fewest)
+        if len(_sized) >= SHAPES_KEPT:
+            _sized.clear()
+        _sized[shape] = size
+    return size
+
+
+SHAPES_KEPT = 64
+_sized: dict[tuple[int, int, int], int] = {}  # (workers, groups, siblings) -> K, where it took work
+
+
+def alike(workers: int) -> bool:
+    """Whether the groups of the step sized now (``shape``) for ``workers`` workers all have as many
+    siblings (or no shape is known yet): then as many groups on each worker is as much load on each,
+    and ``_pacing`` sends a burst of more groups than workers close together; a prompt split into a
+    group and a smaller rest is not, and goes at the burst's wider spacing, so the router counts
+    each group's siblings before it places the next (measured, docs/performance.md)."""
+    found = shape(True)
+    if found is None:
+        return True
+    groups, siblings = found
+    return siblings % group_size(workers, groups, siblings) == 0
+
+
+def busiest(workers: int, groups: int, siblings: int, size: int) -> int:
+    """Siblings on the busiest of ``workers`` workers when ``groups`` groups of ``siblings``, each
+    split in the order they open into groups of ``size`` and one of the rest, are dealt the largest
+    first, each to the least loaded worker: the whole groups in turn, then the rest, a level at a
+    time."""
+    whole, rest = divmod(siblings, size)
+    more, over = divmod(groups * whole, max(1, workers))
+    low, high = [more * size, max(1, workers) - over], [(more + 1) * size, over]  # [level, workers]
+    left = groups if rest else 0
+    while left:
+        least = low if low[1] and (not high[1] or low[0] <= high[0]) else high
+        if left < least[1]:
+            return max(least[0] + rest, high[0] if high[1] else 0)
+        left -= least[1]
+        least[0] += rest
+    return max(low[0] if low[1] else 0, high[0] if high[1] else 0)
 
 
 def shape(gathered: bool = False) -> tuple[int, int] | None:

@@ -61,6 +61,8 @@ def test_a_step_bigger_than_the_budget_has_no_ttl_and_says_what_happens() -> Non
         (32, 16, 8, "groups:4"),  # 2 groups per prompt fill 32 workers
         (64, 8, 16, "groups:2"),
         (8, 16, 8, "prompt"),  # more prompts than workers: one group per prompt
+        (8, 10, 4, "groups:3"),  # ... unless the workers do not divide them evenly
+        (8, 5, 8, "prompt"),  # fewer prompts than workers: one group each, some workers idle
         (8, 4, 8, "groups:4"),
         (128, 16, 8, "attempt"),  # 8 workers per prompt: every sibling its own
         (32, 32, 1, "attempt"),
@@ -86,6 +88,13 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert "pairs them (groups:2)" in siblings_note(None, 8, 16)
     paced = "sends each new group's first requests 10 ms after the last group's"
     assert paced in siblings_note(8, 16, 4) and "16 prompts on 8 workers" in siblings_note(8, 16, 4)
+    uneven = siblings_note(8, 10, 4)
+    assert "would crowd a few" in uneven and "up to 40 ms after the last group's" in uneven
+    whole = siblings_note(8, 16, 4) + siblings_note(8, 5, 8) + siblings_note(8, 12, 4)
+    assert paced not in uneven and "would crowd a few" not in whole
+    assert uneven.startswith(
+        "8 workers, 10 prompts x 4 siblings: the grouping that spreads them most evenly is groups:3"
+    )
     assert "(0.55-0.75x kv routing alone's step; 40 ms apart" in siblings_note(8, 16, 4)
     assert paced not in siblings_note(8, 8, 4) + siblings_note(8, 16, 1) + siblings_note(32, 16, 8)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)

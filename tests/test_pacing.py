@@ -182,6 +182,23 @@ def test_a_step_of_more_parents_than_workers_is_paced_closer(
     assert (spread >= 7 * 0.04 * 0.8) if wide else (spread < 7 * 0.04 * 0.8), spread
 
 
+@pytest.mark.parametrize("client", ["httpx", "requests"])
+def test_a_step_whose_prompts_split_into_a_group_and_a_rest_leaves_wide_apart(
+    dynamo: Recorder, client: str
+) -> None:
+    """10 prompts x 4 on 8 workers under the default: K = 3, each prompt a group of 3 and one of 1,
+    20 parents for 8 workers. Groups not alike, so ``WIDE`` (40 ms) apart: the router counts each
+    group's siblings before it places the next (10 ms apart took such steps to 1.5-2.2x kv routing
+    alone's, 40 ms to 0.84-0.89x; docs/performance.md)."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    _step(dynamo, prompts=10, siblings=4, client=client)
+    arrivals = _first_arrivals(dynamo)
+    assert len(arrivals) == 20
+    _assert_paced(arrivals)
+    assert arrivals[-1] - arrivals[0] >= 19 * 0.04 * 0.8, arrivals[-1] - arrivals[0]
+
+
 def test_a_large_step_waits_the_spread_at_most(dynamo: Recorder) -> None:
     """500 prompts, each attempt under a parent of its own (groups:1): 500 parents, 10 ms apart for
     ``SPREAD`` (4 s: 400 of them), the rest together at its end, not 5 s later."""

@@ -547,3 +547,27 @@ def test_fleet_pins_a_step_of_more_groups_than_workers_as_the_default_does(
 def test_a_group_size_is_ascii_digits_only() -> None:
     with pytest.raises(ValueError, match="groups:K"):
         Siblings.parse("groups:\u0663")  # ARABIC-INDIC DIGIT THREE: str.isdigit() says yes
+
+
+def test_more_prompts_than_workers_not_a_multiple_split_each_prompt_three_and_one(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """10 prompts of 4 on 8 workers under the default: whole groups put two prompts' 8 siblings on
+    two workers (measured up to 1.28x kv routing alone's step, docs/performance.md); K = 3 puts 6
+    there, each prompt's last sibling in a group of its own, placed by the router where there is
+    room. From the gathered first step on, with the header on every request."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=10, siblings=4)
+        for step in (1, 2):
+            attempts = _attempts(dynamo)
+            assert len(attempts) == 40 and None not in {session for session, _ in attempts.values()}
+            for prompt in range(10):
+                parents = Counter(attempts[f"p{prompt}", f"s{sibling}"][1] for sibling in range(4))
+                assert sorted(parents.values()) == [1, 3] and None not in parents, (step, prompt, parents)
+            dynamo.clear()
+            if step == 1:
+                _step(dynamo, prompts=10, siblings=4)
+    (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
+    assert line.startswith("otel-session: siblings sized to the fleet: 3 per parent session (8 workers; ")

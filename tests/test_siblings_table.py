@@ -233,3 +233,86 @@ def test_a_placement_after_its_group_was_forgotten_names_no_parent() -> None:
     assert entered is not None
     _siblings._groups.clear()  # as a forked child starts
     assert _siblings.place(entered[0], entered[1], pairs, None) is None
+
+
+@pytest.mark.parametrize(
+    ("workers", "groups", "siblings", "size"),
+    [
+        (32, 16, 8, 4),  # the groups fit: one group per worker (2 per prompt, 32 groups)
+        (64, 8, 16, 2),
+        (128, 64, 8, 4),
+        (1024, 512, 16, 8),
+        (8, 4, 8, 4),
+        (8, 6, 4, 4),  # 6 groups of 4 on 8 workers: one each, two workers idle
+        (8, 5, 8, 8),  # 5 on 8: one each (measured faster than kv routing alone)
+        (128, 16, 8, 1),  # 8 workers per prompt: each sibling alone
+        (8, 8, 1, 1),
+        (8, 16, 4, 4),  # twice as many prompts as workers: two whole groups on each
+        (4, 8, 2, 2),
+        (8, 16, 8, 8),
+        (8, 10, 4, 3),  # 10 groups of 4 on 8 workers put 8 siblings on two (1.6x a fair share of
+        # 5): (3, 1) puts 6, and so would pairs, in smaller groups
+        (8, 12, 4, 4),  # 8 where a fair share is 6 (1.33x): whole groups still
+        (8, 12, 8, 8),  # 16 against 12: whole (measured faster than split (6, 2))
+        (8, 9, 8, 5),  # 16 against 9 (1.8x): (5, 3)
+        (32, 40, 8, 5),  # (5, 3): 11 against 16 (1.6x); pairs would make it 10, each prompt in 4
+        (2, 3, 4, 4),  # 8 against 6: whole
+        (2, 3, 2, 2),  # a group of 2 is never split
+    ],
+)
+def test_k_puts_the_fewest_siblings_on_the_busiest_worker_in_the_largest_groups(
+    workers: int, groups: int, siblings: int, size: int
+) -> None:
+    assert _siblings.group_size(workers, groups, siblings) == size
+
+
+def test_the_busiest_worker_holds_the_groups_dealt_largest_first_to_the_least_loaded() -> None:
+    assert _siblings.busiest(8, 10, 4, 4) == 8  # 10 groups on 8 workers: two on some
+    assert _siblings.busiest(8, 10, 4, 2) == 6  # 20 pairs: three on some
+    assert _siblings.busiest(8, 10, 4, 3) == 6  # 10 of 3, then 10 of 1: 3+3 on two, 3+1+1 on the rest
+    assert _siblings.busiest(8, 6, 4, 3) == 3  # 6 of 3 on six workers, six of 1 on the two idle ones
+    assert _siblings.busiest(8, 5, 8, 3) == 6  # 10 of 3, then 5 of 2
+    assert _siblings.busiest(8, 16, 4, 4) == 8 and _siblings.busiest(32, 16, 8, 4) == 4
+    assert _siblings.busiest(3, 2, 5, 4) == 4  # 4 and 4, then both 1s on the idle worker
+    assert _siblings.busiest(3, 4, 5, 4) == 8  # 4 of 4 (two on one worker), then 4 of 1
+    assert _siblings.busiest(0, 2, 4, 4) == 8  # no worker listed: all of them on one
+
+
+def test_k_is_never_larger_than_one_group_per_worker_and_alone_only_where_each_has_a_worker() -> None:
+    """The rule's promises over a grid of fleets: K at most one group per worker, and exactly that
+    where the groups fit the workers; 1 only where every sibling gets a worker of its own; where the
+    groups outnumber the workers, whole groups unless those put 1.5x a fair share on the busiest,
+    else a prompt in one group or two, the busiest worker never more crowded than with whole groups."""
+    for workers in (1, 2, 3, 5, 8, 24, 32, 100):
+        for groups in range(1, 40):
+            for siblings in (1, 2, 3, 4, 5, 6, 8, 16, 32):
+                size = _siblings.group_size(workers, groups, siblings)
+                fit = -(-siblings // max(1, workers // groups))
+                assert 1 <= size <= fit, (workers, groups, siblings)
+                assert (size == 1) == (groups * siblings <= workers or siblings == 1)
+                if groups <= workers:
+                    assert size == fit
+                elif -(-groups // workers) * workers < 1.5 * groups:  # whole groups crowd under 1.5x
+                    assert size == siblings
+                else:
+                    assert size == siblings == 1 or 2 * size >= siblings  # one group or two
+                    held = _siblings.busiest(workers, groups, siblings, size)
+                    assert held <= _siblings.busiest(workers, groups, siblings, siblings)
+
+
+def test_groups_are_alike_unless_a_prompt_is_split_into_a_group_and_a_smaller_rest() -> None:
+    """What ``_pacing`` is told: 10 prompts of 4 on 8 workers are split (3, 1), not alike; on 5
+    workers (two whole groups each), on 40 (one per sibling) or with no step known, alike."""
+    _siblings.forget_shape()
+    assert _siblings.alike(8)  # nothing known: as before
+    auto = Siblings.parse("auto")
+    tickets = [_siblings.join(f"p{prompt}", auto) for prompt in range(10) for _ in range(4)]
+    assert not _siblings.alike(8) and _siblings.alike(5) and _siblings.alike(40)  # the step gathering
+    for ticket in tickets:
+        assert ticket is not None
+        leave(ticket[1])
+    assert _siblings.last_shape() == (10, 4)
+    assert not _siblings.alike(8) and _siblings.alike(10) and _siblings.alike(12)  # the last step's
+    assert not _siblings.alike(9) and _siblings.alike(3)  # 10 on 9: (3, 1) again; on 3, whole (1.2x)
+    _siblings.forget_shape()
+    assert _siblings.alike(8)

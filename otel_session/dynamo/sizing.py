@@ -138,8 +138,8 @@ def step_note(
 
 
 def sibling_group_size(workers: int, prompts: int, siblings: int) -> int:
-    """Siblings per group so a step's groups about fill the fleet, one group per worker:
-    ``ceil(G / max(1, workers // prompts))``. More prompts than workers: a group per prompt."""
+    """Siblings per group so a step's groups about fill the fleet, one group per worker (``_siblings``
+    states the rule, :data:`SIBLINGS_RULE` says it to the user)."""
     if siblings <= 1 or prompts <= 0 or workers <= 0:
         return 1
     return _siblings.group_size(workers, prompts, siblings)
@@ -160,11 +160,20 @@ DEFAULT_GROUP = 2
 CROWDED_STEPS = "0.55-0.75x"
 CROWDED_UNPACED = "0.72-1.52x"
 CROWDED_WIDE = "1.03-1.25x"  # ... and paced 40 ms apart, as a burst of fewer groups than workers is
+#: ... with up to a third more prompts than workers (8 workers, 10 prompts x 4): each prompt split
+#: (3, 1) and paced by the burst; whole groups; the split paced 10 ms apart.
+UNEVEN_STEPS = "0.80-0.90x"
+UNEVEN_WHOLE = "0.83-1.28x"
+UNEVEN_CLOSE = "1.34-1.66x"
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
     "key a GRPO step's siblings in groups sized so each worker gets about one group: "
     "K = ceil(siblings / max(1, workers // prompts)) siblings share one parent session "
-    "(OTEL_SESSION_SIBLINGS=groups:K; K >= siblings is 'prompt', K = 1 'attempt'); a session per attempt "
+    "(OTEL_SESSION_SIBLINGS=groups:K; K >= siblings is 'prompt', K = 1 'attempt'); with more prompts "
+    "than workers, whole groups, unless they put 1.5x a fair share of siblings or more on the "
+    "busiest worker (up to a third more prompts than workers), then the largest K that puts the "
+    "fewest siblings there, a prompt's last siblings in a smaller group (10 prompts x 4 on 8 "
+    "workers: groups:3); a session per attempt "
     "thrashes a worker whose KV cache holds fewer of the contexts it is given, and one "
     "group per prompt leaves workers idle when prompts are fewer than workers"
 )
@@ -187,16 +196,28 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         "OTEL_SESSION_SIBLINGS=fleet sends that step without sessions instead (kv routing alone's "
         f"step); OTEL_SESSION_SIBLINGS={setting} fixes K from the start"
     )
-    if siblings > 1 and prompts > workers:
+    split = siblings > 1 and prompts > workers and siblings % sibling_group_size(workers, prompts, siblings)
+    if split:
         verdict += (
-            f"; {prompts} prompts on {workers} workers put several groups on each worker: the library "
+            f"; whole groups would crowd a few of the {workers} workers: each prompt's last "
+            "siblings go in a smaller group, and the library sends each new group's first requests "
+            "up to 40 ms after the last group's, so the router counts each group's siblings before it "
+            f"places the next ({UNEVEN_STEPS} kv routing alone's step; whole groups were {UNEVEN_WHOLE}, "
+            f"and these groups 10 ms apart {UNEVEN_CLOSE})"
+        )
+    elif siblings > 1 and prompts > workers:
+        verdict += (
+            f"; {prompts} prompts on {workers} workers put several groups on a worker: the library "
             "sends each new group's first requests 10 ms after the last group's, so the router places "
             f"them one at a time, evenly ({CROWDED_STEPS} kv routing alone's step; 40 ms apart, as for "
             f"fewer groups than workers, the step was {CROWDED_WIDE}; sent all at once, "
             f"half the bursts measured were placed unevenly: {CROWDED_UNPACED})"
         )
+    even = (
+        "one group per worker is" if prompts <= workers else "the grouping that spreads them most evenly is"
+    )
     return (
-        f"{workers} workers, {prompts} prompts x {siblings} siblings: one group per worker is {setting} "
+        f"{workers} workers, {prompts} prompts x {siblings} siblings: {even} {setting} "
         f"({verdict}); the rule: {SIBLINGS_RULE}."
     )
 
