@@ -186,7 +186,8 @@ def group_size(workers: int, groups: int, siblings: int) -> int:
     smaller rest, the largest K whose busiest worker holds the fewest siblings (``busiest``), the
     rest placed by the router where there is room. ``otel-session doctor`` states the same rule."""
     fit = max(1, math.ceil(siblings / max(1, workers // groups)))
-    if fit == 1 or groups <= workers or math.ceil(groups / workers) * workers < CROWDED * groups:
+    fleet = max(1, workers)  # none listed: as one
+    if fit == 1 or groups <= workers or math.ceil(groups / fleet) * fleet < CROWDED * groups:
         return fit
     shape = (workers, groups, siblings)
     size = _sized.get(shape)

@@ -258,6 +258,8 @@ def test_a_placement_after_its_group_was_forgotten_names_no_parent() -> None:
         (32, 40, 8, 5),  # (5, 3): 11 against 16 (1.6x); pairs would make it 10, each prompt in 4
         (2, 3, 4, 4),  # 8 against 6: whole
         (2, 3, 2, 2),  # a group of 2 is never split
+        (0, 3, 4, 4),  # no worker listed (a /health that lists none): whole groups
+        (0, 1, 4, 4),
     ],
 )
 def test_k_puts_the_fewest_siblings_on_the_busiest_worker_in_the_largest_groups(
@@ -314,5 +316,6 @@ def test_groups_are_alike_unless_a_prompt_is_split_into_a_group_and_a_smaller_re
     assert _siblings.last_shape() == (10, 4)
     assert not _siblings.alike(8) and _siblings.alike(10) and _siblings.alike(12)  # the last step's
     assert not _siblings.alike(9) and _siblings.alike(3)  # 10 on 9: (3, 1) again; on 3, whole (1.2x)
+    assert _siblings.alike(0)  # a router that lists no workers: whole groups, nothing to divide by
     _siblings.forget_shape()
     assert _siblings.alike(8)
