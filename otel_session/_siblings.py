@@ -229,12 +229,12 @@ def busiest(workers: int, groups: int, siblings: int, size: int) -> int:
     low, high = [more * size, max(1, workers) - over], [(more + 1) * size, over]  # [level, workers]
     left = groups if rest else 0
     while left:
-        least = low if low[1] and (not high[1] or low[0] <= high[0]) else high
+        least = low if not high[1] or low[0] <= high[0] else high  # ``low`` always has workers
         if left < least[1]:
             return max(least[0] + rest, high[0] if high[1] else 0)
         left -= least[1]
         least[0] += rest
-    return max(low[0] if low[1] else 0, high[0] if high[1] else 0)
+    return max(low[0], high[0]) if high[1] else low[0]
 
 
 def shape(gathered: bool = False) -> tuple[int, int] | None:

@@ -5,6 +5,7 @@ reads and prints. End to end over loopback: ``tests/test_siblings.py``.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import select
@@ -258,6 +259,7 @@ def test_a_placement_after_its_group_was_forgotten_names_no_parent() -> None:
         (32, 40, 8, 5),  # (5, 3): 11 against 16 (1.6x); pairs would make it 10, each prompt in 4
         (2, 3, 4, 4),  # 8 against 6: whole
         (2, 3, 2, 2),  # a group of 2 is never split
+        (3, 4, 4, 3),  # 8 where a fair share is 5.33: exactly 1.5x, so split
         (0, 3, 4, 4),  # no worker listed (a /health that lists none): whole groups
         (0, 1, 4, 4),
     ],
@@ -319,3 +321,35 @@ def test_groups_are_alike_unless_a_prompt_is_split_into_a_group_and_a_smaller_re
     assert _siblings.alike(0)  # a router that lists no workers: whole groups, nothing to divide by
     _siblings.forget_shape()
     assert _siblings.alike(8)
+
+
+def test_the_busiest_worker_is_what_dealing_the_groups_one_by_one_gives() -> None:
+    """``busiest`` against a plain deal, largest group first, each to the least loaded worker."""
+    for workers in range(0, 7):
+        for groups in range(1, 13):
+            for siblings in range(1, 9):
+                for size in range(1, siblings + 1):
+                    sizes = [size] * (siblings // size) + ([siblings % size] if siblings % size else [])
+                    loads = [0] * max(1, workers)
+                    for group in sorted(sizes * groups, reverse=True):
+                        heapq.heapreplace(loads, loads[0] + group)
+                    assert _siblings.busiest(workers, groups, siblings, size) == max(loads), (
+                        workers,
+                        groups,
+                        siblings,
+                        size,
+                    )
+
+
+def test_a_split_is_worked_out_once_per_shape_and_a_few_shapes_are_kept() -> None:
+    _siblings._sized.clear()
+    assert _siblings.group_size(8, 10, 4) == 3 and _siblings._sized == {(8, 10, 4): 3}
+    assert _siblings.group_size(8, 16, 4) == 4 and len(_siblings._sized) == 1  # whole: nothing to keep
+    _siblings._sized.clear()
+    for groups in range(100, 100 + _siblings.SHAPES_KEPT):
+        _siblings.group_size(groups - 20, groups, 4)
+    assert len(_siblings._sized) == _siblings.SHAPES_KEPT
+    _siblings.group_size(8, 9, 4)
+    assert len(_siblings._sized) == 1 and _siblings._sized[8, 9, 4] == _siblings.group_size(8, 9, 4)
+    _siblings._sized[8, 9, 4] = 2  # what is kept is what is used
+    assert _siblings.group_size(8, 9, 4) == 2
