@@ -13,8 +13,8 @@ error); 1.3.0.post1's frontend takes the same path in its source (``ResourceExha
 affinity table, answered as Overloaded) but was not filled here. The line "Affinity table full;
 routing without session affinity" in the 1.6.1 binary belongs to the KV router's selection service,
 at debug level, not to the frontend's path: a frontend never routes a new session unpinned.
-(Over 300 lines: the table's sizing and the step's, each rule beside the measured figures
-``doctor`` quotes with it, so a rule and its figures change together.)
+Why one module of some 320 lines: the table's sizing and the step's, each rule beside the
+measured figures ``doctor`` quotes with it, so a rule and its figures change together.
 """
 
 from __future__ import annotations
