@@ -215,8 +215,12 @@ def alike(workers: int) -> bool:
     found = shape(True)
     if found is None:
         return True
-    groups, siblings = found
-    return siblings % group_size(workers, groups, siblings) == 0
+    return not splits(workers, *found)
+
+
+def splits(workers: int, groups: int, siblings: int) -> bool:
+    """Whether ``group_size`` splits each prompt into a group and a smaller rest (unlike sizes)."""
+    return siblings % group_size(workers, groups, siblings) != 0
 
 
 def busiest(workers: int, groups: int, siblings: int, size: int) -> int:

@@ -198,8 +198,7 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         "OTEL_SESSION_SIBLINGS=fleet sends that step without sessions instead (kv routing alone's "
         f"step); OTEL_SESSION_SIBLINGS={setting} fixes K from the start"
     )
-    split = siblings > 1 and prompts > workers and siblings % sibling_group_size(workers, prompts, siblings)
-    if split:
+    if siblings > 1 and prompts > workers and _siblings.splits(workers, prompts, siblings):
         verdict += (
             f"; whole groups would crowd a few of the {workers} workers: each prompt's last "
             "siblings go in a smaller group, and the library sends each new group's first requests "
