@@ -235,7 +235,12 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         )
         return
     groups, siblings = _siblings.last_shape()
-    parents = groups * -(-siblings // max(1, ticket.size or 1))  # groups of K, over the whole step
+    size = max(1, ticket.size or 1)
+    parents = groups * -(-siblings // size)  # groups of K, over the whole step
+    whole, rest = divmod(siblings, size)
+    split = f" (each prompt's {siblings} as {' + '.join([str(size)] * whole + [str(rest)])})" if rest else ""
+    crowded = workers and parents > workers
+    shared = f"{parents} groups: some share a worker" if crowded else "one group per worker"
     _faults.warn(
         "otel-session: siblings sized to the fleet: %s (%d workers; %s %d groups of up to %d siblings "
         "open at once: %s)",
@@ -244,7 +249,7 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         "steps here have had up to" if _siblings.step_seen() else "this step has",
         groups,
         siblings,
-        f"{parents} groups: some share a worker" if workers and parents > workers else "one group per worker",
+        shared + split,
     )
 
 

@@ -652,7 +652,8 @@ def test_fleet_says_when_no_step_has_ended_then_sizes_groups_one_per_worker(
     sized = [line for line in _lines(caplog) if line.startswith("otel-session: siblings sized")]
     assert _lines(caplog)[1:3] == sized[:2] and sized == [
         f"otel-session: siblings sized to the fleet: each alone under its own session (8 workers; {shape})",
-        f"otel-session: siblings sized to the fleet: 2 per parent session (4 workers; {shape})",
+        f"otel-session: siblings sized to the fleet: 2 per parent session (4 workers; {shape} (each "
+        "prompt's 3 as 2 + 1))",
         f"otel-session: siblings sized to the fleet: each alone under its own session (0 workers; {shape})",
     ]
     choice = "otel_session.siblings.choice"

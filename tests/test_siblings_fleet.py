@@ -570,4 +570,7 @@ def test_more_prompts_than_workers_not_a_multiple_split_each_prompt_three_and_on
             if step == 1:
                 _step(dynamo, prompts=10, siblings=4)
     (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
-    assert line.startswith("otel-session: siblings sized to the fleet: 3 per parent session (8 workers; ")
+    assert line == (
+        "otel-session: siblings sized to the fleet: 3 per parent session (8 workers; this step has 10 "
+        "groups of up to 4 siblings open at once: 20 groups: some share a worker (each prompt's 4 as 3 + 1))"
+    )
