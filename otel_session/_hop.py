@@ -246,7 +246,7 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
         "open at once: %s)",
         "each alone under its own session" if ticket.size == 1 else f"{ticket.size} per parent session",
         workers or 0,
-        "steps here have had up to" if _siblings.step_seen() else "this step has",
+        "the step before had" if _siblings.step_seen() else "this step has",
         groups,
         siblings,
         shared + split,

@@ -129,7 +129,10 @@ _lock = threading.RLock()  # re-entrant: a key's own __eq__ may open a trajector
 class _Shape:
     """The last step's shape as seen here, for ``fleet``: the most groups open at once and the most
     attempts one group started. A step ends where no group is open (a GRPO step's siblings all end
-    before the next step's start); the shape kept is the larger of the running and the last step's."""
+    before the next step's start). A step is sized by the step before it alone, never by the groups
+    it has opened so far (the first to open would get one K and the last another, mixed in one
+    step); a step of lone attempts (an evaluation pass between GRPO steps) does not replace a shape
+    with siblings, which the next GRPO step is sized by."""
 
     __slots__ = ("last", "open", "siblings", "size")
 
@@ -140,9 +143,11 @@ class _Shape:
         self.last = (0, 0)  # the step before: (groups open at once, siblings per group)
 
     def groups_siblings(self) -> tuple[int, int] | None:
-        """(groups open at once, siblings per group), once one group has ended; ``None`` before."""
-        size = max(self.size, self.last[1])
-        return (max(self.open, self.last[0], 1), size) if size > 0 else None
+        """(groups open at once, siblings per group): the step before's once one has ended, else this
+        step's once one of its groups has; ``None`` before."""
+        if self.last[1] > 0:
+            return self.last
+        return (max(self.open, 1), self.size) if self.size > 0 else None
 
     def opened(self, groups: int) -> None:
         self.open = max(self.open, groups)
@@ -150,7 +155,9 @@ class _Shape:
     def ended(self, started: int, groups_left: int) -> None:
         self.size = max(self.size, started)
         if groups_left == 0:
-            self.last, self.open, self.size = (self.open, self.size), 0, 0
+            if self.size > 1 or self.last[1] <= 1:  # lone attempts after siblings: the shape stays
+                self.last = (max(self.open, 1), self.size)
+            self.open, self.size = 0, 0
 
 
 _shape = _Shape()

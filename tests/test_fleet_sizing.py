@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from otel_session.dynamo import LocalDynamo
+from otel_session.dynamo import LocalDynamo, sizing
 from otel_session.dynamo.doctor import diagnose
 from otel_session.dynamo.sizing import (
     BUDGET,
@@ -113,6 +113,10 @@ def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callab
         c.detail for c in report.checks if c.name == "session table per step"
     )
     assert report.ok
+    # 10 prompts x 4 on these 8 workers, caches that hold the step: the split, and affinity left off
+    split = diagnose(stack.base_url, requests=3, batch=(10, 4), layout="kv", caches=(16_384, 2_700))
+    step = next(c.detail for c in split.checks if c.name == "step time")
+    assert step == step_advice("kv", True, "groups:3", True) and "leave session affinity off" in step
 
 
 def test_the_step_rule_counts_whole_steps() -> None:
@@ -167,3 +171,20 @@ def test_step_advice_turns_affinity_on_only_with_groups_the_caches_hold() -> Non
         assert "leave session affinity off" not in ample and "--kv-tokens" not in tight + ample
         assert "--kv-tokens" in step_advice(layout)  # unknown: how to have it checked
     assert step_advice("unaware", True) == step_advice("unaware", False)  # switch to kv routing first
+
+
+def test_step_advice_leaves_affinity_off_for_a_split_step_on_caches_that_hold_it() -> None:
+    """10 prompts x 4 on 8 workers of 1,024 blocks: the default's split measured 1.02-1.12x kv routing
+    alone's step, a session per attempt 0.95-1.00x: doctor must not turn affinity on there; on tight
+    caches, or with one group per worker, its advice is as before."""
+    assert sizing.prompts_split(8, 10, 4) and not sizing.prompts_split(8, 12, 4)
+    assert not sizing.prompts_split(8, 8, 4) and not sizing.prompts_split(8, 10, 1)
+    assert not sizing.prompts_split(0, 10, 4)
+    split = step_advice("kv", True, "groups:3", True)
+    assert "turn session affinity on" not in split and "leave session affinity off" in split
+    assert "up to a third more prompts than workers" in split
+    assert "1.02-1.12x" in split and "0.95-1.00x" in split
+    assert step_advice("kv", True, "groups:3") != split  # no split: on, as before
+    assert "turn session affinity on" in step_advice("kv", True, "groups:3")
+    assert step_advice("kv", False, "groups:3", True) == step_advice("kv", False, "groups:3")
+    assert step_advice("kv", None, "groups:3", True) == step_advice("kv", None, "groups:3")

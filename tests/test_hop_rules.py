@@ -648,7 +648,7 @@ def test_fleet_says_when_no_step_has_ended_then_sizes_groups_one_per_worker(
             assert elsewhere.decide("p0", ("http", "127.0.0.1", slow.port)).offer.parent is None
             for attempt in (alone, *pair, elsewhere):
                 attempt.end()
-    shape = "steps here have had up to 2 groups of up to 3 siblings open at once: one group per worker"
+    shape = "the step before had 2 groups of up to 3 siblings open at once: one group per worker"
     sized = [line for line in _lines(caplog) if line.startswith("otel-session: siblings sized")]
     assert _lines(caplog)[1:3] == sized[:2] and sized == [
         f"otel-session: siblings sized to the fleet: each alone under its own session (8 workers; {shape})",

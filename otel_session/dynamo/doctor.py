@@ -21,6 +21,7 @@ from otel_session.dynamo._library_log import no_session_on_purpose
 from otel_session.dynamo.sizing import (
     FULL_ANSWER,
     caches_hold,
+    prompts_split,
     sibling_group_size,
     siblings_note,
     siblings_setting,
@@ -255,7 +256,8 @@ def diagnose(
             "routing, affinity off is recommended unless siblings are grouped one group per worker in "
             "caches that hold it: pass --layout kv)",
         )
-    report.add("step time", True, step_advice(layout, holds, setting))
+    split = batch is not None and bool(fleet) and prompts_split(fleet or 0, *batch)
+    report.add("step time", True, step_advice(layout, holds, setting, split))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:
         report.add("sibling keying", True, siblings_note(fleet, *batch))

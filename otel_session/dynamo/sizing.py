@@ -13,7 +13,7 @@ error); 1.3.0.post1's frontend takes the same path in its source (``ResourceExha
 affinity table, answered as Overloaded) but was not filled here. The line "Affinity table full;
 routing without session affinity" in the 1.6.1 binary belongs to the KV router's selection service,
 at debug level, not to the frontend's path: a frontend never routes a new session unpinned.
-Why one module of some 320 lines: the table's sizing and the step's, each rule beside the
+Why one module of some 340 lines: the table's sizing and the step's, each rule beside the
 measured figures ``doctor`` quotes with it, so a rule and its figures change together.
 """
 
@@ -167,6 +167,12 @@ CROWDED_WIDE = "1.03-1.25x"  # ... and paced 40 ms apart, as a burst of fewer gr
 UNEVEN_STEPS = "0.80-0.90x"
 UNEVEN_WHOLE = "0.83-1.28x"
 UNEVEN_CLOSE = "1.34-1.66x"
+#: ... the same step on caches that hold it (1,024 blocks a worker): the default's split, whole
+#: groups, pairs, a session per attempt (docs/performance.md, "Caches that hold the step").
+AMPLE_SPLIT = "1.02-1.12x"
+AMPLE_WHOLE = "1.02-1.07x"
+AMPLE_PAIRS = "0.99-1.06x"
+AMPLE_ATTEMPT = "0.95-1.00x"
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
     "key a GRPO step's siblings in groups sized so each worker gets about one group: "
@@ -179,6 +185,12 @@ SIBLINGS_RULE = (
     "thrashes a worker whose KV cache holds fewer of the contexts it is given, and one "
     "group per prompt leaves workers idle when prompts are fewer than workers"
 )
+
+
+def prompts_split(workers: int, prompts: int, siblings: int) -> bool:
+    """Whether the default splits each prompt of this step into a group and a smaller rest (up to a
+    third more prompts than workers: whole groups would crowd a few workers)."""
+    return siblings > 1 and prompts > workers > 0 and _siblings.splits(workers, prompts, siblings)
 
 
 def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
@@ -198,7 +210,7 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         "OTEL_SESSION_SIBLINGS=fleet sends that step without sessions instead (kv routing alone's "
         f"step); OTEL_SESSION_SIBLINGS={setting} fixes K from the start"
     )
-    if siblings > 1 and prompts > workers and _siblings.splits(workers, prompts, siblings):
+    if prompts_split(workers, prompts, siblings):
         verdict += (
             f"; whole groups would crowd a few of the {workers} workers: each prompt's last "
             "siblings go in a smaller group, and the library sends each new group's first requests "
@@ -266,12 +278,16 @@ def caches_hold(
     return need <= kv_tokens_per_worker
 
 
-def step_advice(layout: str | None, holds: bool | None = None, setting: str | None = None) -> str:
+def step_advice(
+    layout: str | None, holds: bool | None = None, setting: str | None = None, split: bool = False
+) -> str:
     """How to run the router for the shortest step, by what it can see (``LAYOUTS``; ``None``: not
     said), whether each worker's KV cache holds the group pinned to it (``holds``, from
     :func:`caches_hold` with the grouping ``setting`` doctor recommends, e.g. ``groups:4``; ``None``:
-    unknown). otel-session sends the header either way; the frontend's affinity flag decides whether
-    it pins, and pinning paid only with siblings grouped one group per worker in caches that hold it."""
+    unknown) and whether the default splits the step's prompts (``split``, :func:`prompts_split`).
+    otel-session sends the header either way; the frontend's affinity flag decides whether it pins,
+    and pinning paid only with siblings grouped one group per worker in caches that hold it, or where
+    the caches are tight; a split step on caches that hold it was placed best by kv routing alone."""
     grouping = setting or "groups:K"
     off = (
         "leave session affinity off (no --router-session-affinity-ttl-secs): without the flag Dynamo "
@@ -307,7 +323,16 @@ def step_advice(layout: str | None, holds: bool | None = None, setting: str | No
     tail = (
         " (pass --prompts, --siblings, --kv-tokens, --context-tokens and --prompt-tokens to have it checked)"
     )
-    if holds is True:
+    crowded = (
+        "each worker's KV cache holds its share, but the step has up to a third more prompts than "
+        "workers, which no grouping of siblings spreads evenly: with caches that hold the step the "
+        f"default's split measured {AMPLE_SPLIT} kv routing alone's step (whole groups {AMPLE_WHOLE}, "
+        f"pairs {AMPLE_PAIRS}, a session per attempt {AMPLE_ATTEMPT}: kv routing finds each prompt's "
+        "cache by itself there), so "
+    )
+    if holds is True and split:
+        kv = f"with kv routing, {crowded}{off}"
+    elif holds is True:
         kv = f"with kv routing, {on}"
     elif holds is False:
         kv = f"with kv routing, each worker's KV cache cannot hold the group pinned to it: {off}"
