@@ -131,16 +131,18 @@ class _Shape:
     attempts one group started. A step ends where no group is open (a GRPO step's siblings all end
     before the next step's start). A step is sized by the step before it alone, never by the groups
     it has opened so far (the first to open would get one K and the last another, mixed in one
-    step); a step of lone attempts (an evaluation pass between GRPO steps) does not replace a shape
-    with siblings, which the next GRPO step is sized by."""
+    step); a step of lone attempts (an evaluation pass) after one with siblings leaves its shape for
+    the next GRPO step, and as a process's first step, the step after it gathers as a first step
+    does (a baseline evaluation, then the first GRPO step)."""
 
-    __slots__ = ("last", "open", "siblings", "size")
+    __slots__ = ("last", "open", "siblings", "size", "steps")
 
     def __init__(self) -> None:
         self.siblings = False  # a group has had two attempts: the fleet's size will be wanted
         self.open = 0  # this step: most groups open at once
         self.size = 0  # this step: most attempts of a group that ended
         self.last = (0, 0)  # the step before: (groups open at once, siblings per group)
+        self.steps = 0  # steps ended here, counted to 2
 
     def groups_siblings(self) -> tuple[int, int] | None:
         """(groups open at once, siblings per group): the step before's once one has ended, else this
@@ -157,7 +159,7 @@ class _Shape:
         if groups_left == 0:
             if self.size > 1 or self.last[1] <= 1:  # lone attempts after siblings: the shape stays
                 self.last = (max(self.open, 1), self.size)
-            self.open, self.size = 0, 0
+            self.open, self.size, self.steps = 0, 0, min(2, self.steps + 1)
 
 
 _shape = _Shape()
@@ -253,7 +255,7 @@ def shape(gathered: bool = False) -> tuple[int, int] | None:
     ended, for an attempt that waited for its step to gather (``_hop.gather``), the step open now,
     once a group in it has siblings (``None``: nothing to size by)."""
     found = _shape.groups_siblings()
-    if found is None and gathered and _groups:
+    if gathered and _groups and not step_seen():
         most = max(group.started for group in _groups.values())
         if most >= 2:
             return len(_groups), most
@@ -261,8 +263,10 @@ def shape(gathered: bool = False) -> tuple[int, int] | None:
 
 
 def step_seen() -> bool:
-    """Whether a group has ended here: from then on K follows the step before (no gathering)."""
-    return _shape.groups_siblings() is not None
+    """Whether K follows the step before (no gathering): once a group has ended here, but where no
+    step has had siblings, only from the third step (the first two may be an evaluation, then GRPO)."""
+    found = _shape.groups_siblings()
+    return found is not None and (found[1] > 1 or _shape.steps > 1)
 
 
 def joined() -> int:

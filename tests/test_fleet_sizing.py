@@ -116,7 +116,10 @@ def test_doctor_reads_the_fleet_size_and_recommends(local_dynamo_factory: Callab
     # 10 prompts x 4 on these 8 workers, caches that hold the step: the split, and affinity left off
     split = diagnose(stack.base_url, requests=3, batch=(10, 4), layout="kv", caches=(16_384, 2_700))
     step = next(c.detail for c in split.checks if c.name == "step time")
-    assert step == step_advice("kv", True, "groups:3", True) and "leave session affinity off" in step
+    assert step == step_advice("kv", True, "groups:3", True, True) and "leave session affinity off" in step
+    tight = diagnose(stack.base_url, requests=3, batch=(10, 4), layout="kv", caches=(4_096, 2_300))
+    step = next(c.detail for c in tight.checks if c.name == "step time")
+    assert step == step_advice("kv", False, "groups:3", True, True) and "turn session affinity on" in step
 
 
 def test_the_step_rule_counts_whole_steps() -> None:
@@ -188,3 +191,30 @@ def test_step_advice_leaves_affinity_off_for_a_split_step_on_caches_that_hold_it
     assert "turn session affinity on" in step_advice("kv", True, "groups:3")
     assert step_advice("kv", False, "groups:3", True) == step_advice("kv", False, "groups:3")
     assert step_advice("kv", None, "groups:3", True) == step_advice("kv", None, "groups:3")
+    # on tight caches, more prompts than workers: pinning paid (paced, placed evenly), so on
+    tight = step_advice("kv", False, "groups:3", True, True)
+    assert "turn session affinity on" in tight and "leave session affinity off" not in tight
+    assert "0.55-0.75x" in tight and "0.80-0.90x" in tight and "cannot hold all the groups" in tight
+    assert step_advice("kv", False, "groups:4", False, True) == tight.replace("groups:3", "groups:4")
+    assert step_advice("kv", True, "groups:3", True, True) == split  # caches that hold it: off
+    assert step_advice("kv", None, "groups:3", True, True) == step_advice("kv", None, "groups:3")
+
+
+def test_doctors_summary_claims_no_pinning_the_advice_may_turn_off() -> None:
+    """Found from outside: "leave session affinity off" was followed by "Sessions are pinned:
+    otel-session is fully effective here."; the summary now says what every passing check means."""
+    import io
+
+    from otel_session.dynamo.doctor import Check, Report
+
+    report = Report(
+        "http://127.0.0.1:8000/v1", [Check("step time", True, step_advice("kv", True, "groups:3", True))]
+    )
+    out = io.StringIO()
+    report.render(out)
+    assert "leave session affinity off" in out.getvalue() and "Sessions are pinned" not in out.getvalue()
+    assert out.getvalue().endswith("step time line says whether the router should pin it.\n")
+    failed = Report("u", [Check("header sent", False, "no header", "fix it")])
+    out = io.StringIO()
+    failed.render(out)
+    assert out.getvalue().endswith("Sessions are NOT pinned yet; apply the fix above and run doctor again.\n")

@@ -250,9 +250,10 @@ def test_which_requests_wait_for_their_step() -> None:
     assert not _gathering._eligible(_offered(parent=None), here)  # a router that takes no parent
     assert not _gathering._eligible(_offered(parent="none"), here)  # not a router
     assert not _gathering._eligible(_offered(fails=True), here)  # the request's own planning reports it
-    joined = _siblings.join("g", Siblings.parse("groups:2"))
-    assert joined is not None
-    _siblings.leave(joined[1])  # a group ended: a step is known, and no step gathers from now on
+    joined = [_siblings.join("g", Siblings.parse("groups:2")) for _ in range(2)]
+    for ticket in joined:
+        assert ticket is not None
+        _siblings.leave(ticket[1])  # a group of siblings ended: no step gathers from now on
     assert _siblings.step_seen() and _gathering._eligible(_offered(), here)
     assert not _gathering._counted(_offered(), b'{"messages": []}')
     _siblings.forget_shape()

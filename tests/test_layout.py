@@ -49,9 +49,9 @@ CORE = (
 # 3,925 until the burst is the parents that asked in the last 4 s (a steady stream's backlog drains).
 # 3,930 until a burst of more parents than the router's workers goes 10 ms apart (they share workers).
 # 3,945 until prompts outnumbering workers by up to a third are split (a group and a smaller rest).
-# 4,010 until a step is sized by the step before alone (an evaluation pass of lone attempts kept out),
-# and the sized line says how a prompt is split.
-CORE_MAX_LINES = 4_025
+# 4,010 until a step is sized by the step before alone (an evaluation pass of lone attempts kept out, and
+# the step after a lone first step gathered), and the sized line says how a prompt is split.
+CORE_MAX_LINES = 4_030
 # Core modules beside the request path (counting, and judging what clients received): held to the
 # same import rule, not counted in the core's size.
 BESIDE_CORE = (

@@ -611,3 +611,32 @@ def test_a_step_is_sized_by_the_step_before_alone_and_an_evaluation_pass_changes
     assert _split_of(dynamo, 10, 4) == {(2, 2)}
     _step(dynamo, prompts=10, siblings=4)  # and by 10 x 4 again
     assert _split_of(dynamo, 10, 4) == {(1, 3)}
+
+
+def test_an_evaluation_pass_as_the_first_step_sizes_nothing(dynamo: Recorder) -> None:
+    """Found from outside: a pass of lone attempts as a process's first step (a baseline evaluation)
+    became the shape, and the first GRPO step after it sent every sibling alone (``group=`` or not).
+    Now the step after a lone first step gathers as a first step does, and is sized by itself; a run
+    of lone attempts only is sized by them from its third step (each alone: no parent to pace)."""
+    dynamo.instances = 8
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    _step(dynamo, prompts=12, siblings=1)  # the first step: lone attempts, gathered
+    _split_of(dynamo, 12, 1)
+    assert _siblings.last_shape() == (12, 1) and not _siblings.step_seen()
+    _step(dynamo, prompts=10, siblings=4)  # gathered too: sized by itself
+    assert _split_of(dynamo, 10, 4) == {(1, 3)}
+    assert _siblings.step_seen()
+    _step(dynamo, prompts=10, siblings=4)  # sized by the step before
+    assert _split_of(dynamo, 10, 4) == {(1, 3)}
+
+
+def test_a_run_of_lone_attempts_sends_each_alone_from_its_third_step() -> None:
+    auto = Siblings.parse("auto")
+    _open_close(6, 1, auto, 8)
+    assert _siblings.last_shape() == (6, 1) and not _siblings.step_seen()  # may be an evaluation first
+    _open_close(6, 1, auto, 8)
+    assert _siblings.step_seen()  # two steps of lone attempts: no step gathers from here on
+    alone = _siblings.join("lone", auto, 8)
+    assert alone is not None and alone[0] is None and alone[1].size == 1  # no parent, nothing paced
+    _siblings.leave(alone[1])
+    _siblings.forget_shape()

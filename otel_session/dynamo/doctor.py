@@ -72,7 +72,8 @@ class Report:
         out.write(
             "\n"
             + (
-                "Sessions are pinned: otel-session is fully effective here.\n"
+                "Every check passed: the header reaches the router on every session request, and the "
+                "step time line says whether the router should pin it.\n"
                 if self.ok
                 else "Sessions are NOT pinned yet; apply the fix above and run doctor again.\n"
             )
@@ -257,7 +258,8 @@ def diagnose(
             "caches that hold it: pass --layout kv)",
         )
     split = batch is not None and bool(fleet) and prompts_split(fleet or 0, *batch)
-    report.add("step time", True, step_advice(layout, holds, setting, split))
+    outnumber = batch is not None and bool(fleet) and batch[1] > 1 and batch[0] > (fleet or 0)
+    report.add("step time", True, step_advice(layout, holds, setting, split, outnumber))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:
         report.add("sibling keying", True, siblings_note(fleet, *batch))

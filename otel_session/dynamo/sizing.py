@@ -13,7 +13,7 @@ error); 1.3.0.post1's frontend takes the same path in its source (``ResourceExha
 affinity table, answered as Overloaded) but was not filled here. The line "Affinity table full;
 routing without session affinity" in the 1.6.1 binary belongs to the KV router's selection service,
 at debug level, not to the frontend's path: a frontend never routes a new session unpinned.
-Why one module of some 340 lines: the table's sizing and the step's, each rule beside the
+Why one module of some 360 lines: the table's sizing and the step's, each rule beside the
 measured figures ``doctor`` quotes with it, so a rule and its figures change together.
 """
 
@@ -279,15 +279,20 @@ def caches_hold(
 
 
 def step_advice(
-    layout: str | None, holds: bool | None = None, setting: str | None = None, split: bool = False
+    layout: str | None,
+    holds: bool | None = None,
+    setting: str | None = None,
+    split: bool = False,
+    outnumber: bool = False,
 ) -> str:
     """How to run the router for the shortest step, by what it can see (``LAYOUTS``; ``None``: not
     said), whether each worker's KV cache holds the group pinned to it (``holds``, from
     :func:`caches_hold` with the grouping ``setting`` doctor recommends, e.g. ``groups:4``; ``None``:
-    unknown) and whether the default splits the step's prompts (``split``, :func:`prompts_split`).
-    otel-session sends the header either way; the frontend's affinity flag decides whether it pins,
-    and pinning paid only with siblings grouped one group per worker in caches that hold it, or where
-    the caches are tight; a split step on caches that hold it was placed best by kv routing alone."""
+    unknown), whether the step has more prompts than workers (``outnumber``) and whether the default
+    splits them (``split``, :func:`prompts_split`). otel-session sends the header either way; the
+    frontend's affinity flag decides whether it pins. Pinning paid with siblings one group per worker
+    in caches that hold it, and with more prompts than workers on tight caches (paced, placed
+    evenly); a split step on caches that hold it was placed best by kv routing alone."""
     grouping = setting or "groups:K"
     off = (
         "leave session affinity off (no --router-session-affinity-ttl-secs): without the flag Dynamo "
@@ -330,8 +335,16 @@ def step_advice(
         f"pairs {AMPLE_PAIRS}, a session per attempt {AMPLE_ATTEMPT}: kv routing finds each prompt's "
         "cache by itself there), so "
     )
+    tight = (
+        "each worker's KV cache cannot hold all the groups pinned to it, but with more prompts than "
+        "workers the library sends each new group's first requests paced, so the router places the "
+        f"groups evenly, and pinning paid there (8 workers of 4,096 tokens: {CROWDED_STEPS} kv routing "
+        f"alone's step with 16 prompts x 4, {UNEVEN_STEPS} with 10 x 4): "
+    )
     if holds is True and split:
         kv = f"with kv routing, {crowded}{off}"
+    elif holds is False and outnumber:
+        kv = f"with kv routing, {tight}{on}"
     elif holds is True:
         kv = f"with kv routing, {on}"
     elif holds is False:
