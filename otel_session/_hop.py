@@ -239,8 +239,8 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     parents = groups * -(-siblings // size)  # groups of K, over the whole step
     whole, rest = divmod(siblings, size)
     split = f" (each prompt's {siblings} as {' + '.join([str(size)] * whole + [str(rest)])})" if rest else ""
-    crowded = workers and parents > workers
-    shared = f"{parents} groups: some share a worker" if crowded else "one group per worker"
+    sharing = workers and parents > workers
+    shared = f"{parents} groups: some share a worker" if sharing else "one group per worker"
     _faults.warn(
         "otel-session: siblings sized to the fleet: %s (%d workers; %s %d groups of up to %d siblings "
         "open at once: %s)",

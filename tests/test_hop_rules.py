@@ -921,3 +921,47 @@ def test_offer_for_reads_the_span_of_the_context_it_is_given() -> None:
     assert _hop.offer_for(baggage.set_baggage(SESSION_KEY, "s", with_parent), False) == Offer(
         "s", PARENT, {PARENT_KEY: PARENT, SESSION_KEY: "s"}, None
     )
+
+
+def test_an_attempt_decided_while_it_waited_keeps_that_choice() -> None:
+    """``_gathering`` decides an attempt while its first request waits for the step; that request
+    (its offer made before the wait) then offers what was decided: the parent, pinned; and under
+    ``fleet`` a withheld one goes unpinned, with no parent, its plan editing nothing."""
+    otel_session.configure(dynamo_hosts=["127.0.0.9:8000"], siblings="auto")
+    pair = [Attempt(), Attempt()]
+    parents, decided = [], []
+    for attempt in pair:
+        offered = attempt.offered()  # the request's offer, made as it started
+        holder = offered.undecided
+        assert holder is not None
+        holder.enter("p")
+        parents.append(holder.decide("p", 8))  # decided while the request waited
+        decided.append(attempt.run(offered.decide, _body("q"), ROUTER).offer)
+    assert parents[0] is not None and [offer.parent for offer in decided] == parents
+    assert all(offer.pinned for offer in decided)
+    otel_session.configure(dynamo_hosts=["127.0.0.9:8000"], siblings="fleet")
+    withheld = Attempt()
+    offered = withheld.offered()
+    holder = offered.undecided
+    assert holder is not None
+    holder.withhold()
+    chosen = withheld.run(offered.decide, _body("p"), ROUTER)
+    assert chosen.offer.parent is None and chosen.offer.pinned is False
+    assert chosen.plan(*ROUTER).edits == []
+    for attempt in (*pair, withheld):
+        attempt.end()
+
+
+def test_fleet_withholds_an_attempt_at_a_router_seen_crowded() -> None:
+    """Where the evidence saw pinned sessions crowd a router's workers (``_hop.crowded``), ``fleet``
+    sends a new attempt there without its session: no parent, unpinned, nothing edited."""
+    otel_session.configure(dynamo_hosts=["127.0.0.9:8000"], siblings="fleet")
+    _hop.crowded.add(("dynamo", "127.0.0.9", 8000))
+    try:
+        attempt = Attempt()
+        chosen = attempt.decide("p", ROUTER)
+        assert chosen.offer.parent is None and chosen.offer.pinned is False
+        assert chosen.plan(*ROUTER).edits == []
+        attempt.end()
+    finally:
+        _hop.crowded.discard(("dynamo", "127.0.0.9", 8000))

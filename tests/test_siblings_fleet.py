@@ -409,6 +409,26 @@ def test_the_shape_is_the_last_steps_whatever_the_running_step_opens() -> None:
     assert _siblings.last_shape() == (1, 5)  # a step of lone attempts (an evaluation pass): kept
     _open_close(3, 2, auto)
     assert _siblings.last_shape() == (3, 2)  # the next step with siblings replaces it
+    _open_close(4, 1, auto)
+    assert _siblings.last_shape() == (3, 2)  # pairs too are siblings: a lone step after them is not
+    _siblings.forget_shape()
+    _open_close(6, 1, auto)
+    _open_close(3, 1, auto)
+    assert _siblings.last_shape() == (3, 1)  # lone after lone: the step before, as any step
+    _siblings.forget_shape()
+
+
+def test_a_first_step_is_sized_by_its_ended_groups_while_it_runs() -> None:
+    """A lone group ended while another is open, in a process's first step: (2 groups, 1 sibling),
+    each alone on 8 workers (not the default's pairs, as before any group has ended)."""
+    auto = Siblings.parse("auto")
+    lone, *pair = (_siblings.join(key, auto) for key in ("a", "b", "b"))
+    assert lone is not None and _siblings.fleet_size_of(8, withhold=False) == 2  # nothing ended yet
+    _siblings.leave(lone[1])
+    assert _siblings.fleet_size_of(8, withhold=False) == 1
+    for ticket in pair:
+        assert ticket is not None
+        _siblings.leave(ticket[1])
     _siblings.forget_shape()
     assert _siblings.last_shape() == (0, 0) and not _siblings.needs_fleet_size(auto)
 
