@@ -300,10 +300,16 @@ def step_advice(
         f"measured {STEP_OFF} of it, within run-to-run spread); with the flag, pinned siblings crowd "
         f"workers whose caches cannot hold them (affinity on with siblings paired: {STEP_DEFAULT_ON})"
     )
+    keyed = (
+        f"in groups sized to the fleet ({grouping} here), several to a worker, each new group's first "
+        "requests paced, "
+        if outnumber
+        else f"one group per worker ({grouping} here), each worker's cache holds its group's shared "
+        f"prompt and contexts, and the step measured {STEP_GROUPED_ON} kv routing alone's, "
+    )
     on = (
-        "turn session affinity on (--router-session-affinity-ttl-secs 600): the default (auto) keys "
-        f"siblings one group per worker ({grouping} here), each worker's cache holds its group's "
-        f"shared prompt and contexts, and the step measured {STEP_GROUPED_ON} kv routing alone's, "
+        f"turn session affinity on (--router-session-affinity-ttl-secs 600): the default (auto) keys "
+        f"siblings {keyed}"
         "from the first step (its attempts gather at their first request); where /health cannot be "
         f"read in time it pairs them ({STEP_DEFAULT_ON}), which OTEL_SESSION_SIBLINGS=fleet avoids by "
         f"sending that step without sessions (kv routing alone's step), and "
