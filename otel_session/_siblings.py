@@ -132,17 +132,16 @@ class _Shape:
     before the next step's start). A step is sized by the step before it alone, never by the groups
     it has opened so far (the first to open would get one K and the last another, mixed in one
     step); a step of lone attempts (an evaluation pass) after one with siblings leaves its shape for
-    the next GRPO step, and as a process's first step, the step after it gathers as a first step
-    does (a baseline evaluation, then the first GRPO step)."""
+    the next GRPO step, and where no step has had siblings, each step gathers as a first step does
+    (a baseline evaluation, then the first GRPO step)."""
 
-    __slots__ = ("last", "open", "siblings", "size", "steps")
+    __slots__ = ("last", "open", "siblings", "size")
 
     def __init__(self) -> None:
         self.siblings = False  # a group has had two attempts: the fleet's size will be wanted
         self.open = 0  # this step: most groups open at once
         self.size = 0  # this step: most attempts of a group that ended
         self.last = (0, 0)  # the step before: (groups open at once, siblings per group)
-        self.steps = 0  # steps ended here, counted to 2
 
     def groups_siblings(self) -> tuple[int, int] | None:
         """(groups open at once, siblings per group): the step before's once one has ended, else this
@@ -159,7 +158,7 @@ class _Shape:
         if groups_left == 0:
             if self.size > 1 or self.last[1] <= 1:  # lone attempts after siblings: the shape stays
                 self.last = (max(self.open, 1), self.size)
-            self.open, self.size, self.steps = 0, 0, min(2, self.steps + 1)
+            self.open, self.size = 0, 0
 
 
 _shape = _Shape()
@@ -175,14 +174,13 @@ def _fleet_size(workers: int | None, withhold: bool, gathered: bool) -> tuple[in
     sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once (``shape``);
     and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
     seen): ``None`` (withheld) if ``withhold``, else the default's K, as where the router lists no
-    workers (``UNREADABLE``)."""
-    if workers == UNREADABLE:
-        return GROUPS_DEFAULT, False
+    workers (``UNREADABLE``); after a step of lone attempts, 1 (each alone) unless withheld."""
     found = shape(gathered)
-    if workers is None or found is None:
-        return (None if withhold else GROUPS_DEFAULT), False
-    groups, siblings = found
-    return group_size(workers, groups, siblings), True
+    if workers is not None and workers != UNREADABLE and found is not None:
+        return group_size(workers, *found), True
+    if found is not None and found[1] <= 1 and not withhold:
+        return 1, False  # the step before had lone attempts only: each alone, no fleet size needed
+    return (None if withhold and workers != UNREADABLE else GROUPS_DEFAULT), False
 
 
 def group_size(workers: int, groups: int, siblings: int) -> int:
@@ -251,9 +249,9 @@ def busiest(workers: int, groups: int, siblings: int, size: int) -> int:
 
 
 def shape(gathered: bool = False) -> tuple[int, int] | None:
-    """(groups open at once, siblings per group) to size by: the last step's; before any step has
-    ended, for an attempt that waited for its step to gather (``_hop.gather``), the step open now,
-    once a group in it has siblings (``None``: nothing to size by)."""
+    """(groups open at once, siblings per group) to size by: the last step's; until a step with
+    siblings has ended, for an attempt that waited for its step to gather (``_hop.gather``), the
+    step open now, once a group in it has siblings (``None``: nothing to size by)."""
     found = _shape.groups_siblings()
     if gathered and _groups and not step_seen():
         most = max(group.started for group in _groups.values())
@@ -263,10 +261,10 @@ def shape(gathered: bool = False) -> tuple[int, int] | None:
 
 
 def step_seen() -> bool:
-    """Whether K follows the step before (no gathering): once a group has ended here, but where no
-    step has had siblings, only from the third step (the first two may be an evaluation, then GRPO)."""
+    """Whether K follows the step before (no gathering): once a group with siblings has ended here
+    (until then any step may be a GRPO step's first, after evaluation passes of lone attempts)."""
     found = _shape.groups_siblings()
-    return found is not None and (found[1] > 1 or _shape.steps > 1)
+    return found is not None and found[1] > 1
 
 
 def joined() -> int:

@@ -23,7 +23,7 @@ from opentelemetry.context import Context, get_current
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 import otel_session
-from otel_session import _faults, _fleet, _hop, _settings
+from otel_session import _faults, _fleet, _hop, _settings, _siblings
 from otel_session._context import PARENT_KEY, ROUTER_VISITS_KEY, SESSION_KEY
 from otel_session._hosts import NOWHERE
 from otel_session._policy import Offer
@@ -527,9 +527,12 @@ def test_an_unpinned_session_stays_unpinned_when_its_group_is_decided() -> None:
         assert decided.plan(*ROUTER).edits == []
 
 
-def test_after_a_step_of_lone_attempts_the_default_still_pairs_siblings(
+def test_after_a_step_of_lone_attempts_the_default_sends_each_alone_and_says_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Lone attempts (groups read from unique prompts) need no parent: each goes alone with its own
+    session after a lone step, fleet size or not (a parent each, they were paced for nothing). A GRPO
+    step after it gathers (``_siblings.step_seen`` stays false) and is sized by itself."""
     _configure()
     lone = [Attempt() for _ in range(3)]
     for index, attempt in enumerate(lone):
@@ -539,10 +542,11 @@ def test_after_a_step_of_lone_attempts_the_default_still_pairs_siblings(
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         attempt = Attempt()
         try:
-            assert attempt.decide("next", ROUTER).offer.parent is not None
+            decided = attempt.decide("next", ROUTER).offer
+            assert decided.parent is None and decided.pinned and decided.session == attempt.session
         finally:
             attempt.end()
-    assert _lines(caplog) == []
+    assert _lines(caplog) == [] and not _siblings.step_seen()
 
 
 # --- fleet: the session withheld until K can be sized ---------------------------------------------------

@@ -1013,3 +1013,199 @@ def test_a_request_over_a_unix_socket_carries_nothing_whatever_host_its_url_name
     assert len(unix_server.seen) == 5
     assert unix_server.seen[2].get("x-forward") == "1"  # what the transport above added stays
     assert not {name for seen in unix_server.seen for name in seen} & OURS
+
+
+# --- an attempt's group read from its first request, and a first step gathered, on every path ------
+
+
+def _group_sizes(router: Recorder) -> dict[str, list[int]]:
+    """How many attempts named each parent, by prompt (sorted; a request with no parent counts alone)."""
+    counted: dict[str, dict[str | None, int]] = {}
+    for seen in router.requests:
+        if seen.path != "/health":
+            assert seen.get(SESSION_HEADER) is not None, seen.path
+            parents = counted.setdefault(seen.path.split("/")[1], {})
+            parent = seen.get(PARENT_SESSION_HEADER) or seen.get(SESSION_HEADER)
+            parents[parent] = parents.get(parent, 0) + 1
+    return {prompt: sorted(parents.values()) for prompt, parents in counted.items()}
+
+
+def _parents_by_prompt(router: Recorder) -> dict[str, set[str | None]]:
+    """The parents the attempts' requests named, by the prompt in their path (/p/..., /q/...)."""
+    named: dict[str, set[str | None]] = {}
+    for seen in router.requests:
+        if seen.path != "/health":
+            assert seen.get(SESSION_HEADER) is not None, seen.path
+            named.setdefault(seen.path.split("/")[1], set()).add(seen.get(PARENT_SESSION_HEADER))
+    return named
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["httpx's own transport", "a wrapping transport"])
+def test_siblings_open_at_once_are_grouped_by_their_prompt_through_any_transport(
+    router: Recorder, wrapped: bool
+) -> None:
+    """A thread's attempts, named by nothing but their first request's prompt: the two of prompt p
+    share one parent, q's has another (``siblings="prompt"``)."""
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="prompt")
+    together = threading.Barrier(3)
+
+    def attempt(prompt: str) -> None:
+        with otel_session.trajectory(), httpx.Client(transport=Forward() if wrapped else None) as client:
+            together.wait(5)
+            client.post(f"{router.url}/{prompt}/v1/chat/completions", json=_chat(prompt))
+            together.wait(5)  # all open until all have sent
+
+    threads = [threading.Thread(target=attempt, args=(prompt,)) for prompt in ("p", "p", "q")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    named = _parents_by_prompt(router)
+    assert len(named["p"]) == 1 and len(named["q"]) == 1 and None not in named["p"] | named["q"]
+    assert named["p"] != named["q"]
+
+
+def _step_in_threads(router: Recorder, prompts: tuple[str, ...]) -> None:
+    together = threading.Barrier(len(prompts))
+
+    def attempt(prompt: str) -> None:
+        with otel_session.trajectory(), httpx.Client(transport=Forward()) as client:
+            together.wait(5)
+            client.post(f"{router.url}/{prompt}/v1/chat/completions", json=_chat(prompt))
+            together.wait(5)
+
+    threads = [threading.Thread(target=attempt, args=(prompt,)) for prompt in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+
+
+def _step_in_tasks(router: Recorder, prompts: tuple[str, ...]) -> None:
+    import asyncio
+
+    async def attempt(prompt: str) -> None:
+        url = f"{router.url}/{prompt}/v1/chat/completions"
+        with otel_session.trajectory():
+            async with httpx.AsyncClient(transport=AsyncForward()) as client:
+                await client.post(url, json=_chat(prompt))
+
+    async def step() -> None:
+        await asyncio.gather(*(attempt(prompt) for prompt in prompts))
+
+    asyncio.run(step())
+
+
+@pytest.mark.parametrize("step", [_step_in_threads, _step_in_tasks], ids=["threads", "asyncio tasks"])
+def test_a_first_step_through_a_wrapping_transport_gathers_and_is_sized_by_itself(
+    router: Recorder, step: Any
+) -> None:
+    """2 prompts x 6 on 4 workers through wrapping transports: the first step gathers and is sized by
+    itself, groups of 3 (not the unsized default's pairs, nor no group at all)."""
+    from otel_session import _siblings
+
+    _siblings.forget_shape()
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="auto")
+    router.instances = 4
+    try:
+        step(router, ("p",) * 6 + ("q",) * 6)
+        assert _group_sizes(router) == {"p": [3, 3], "q": [3, 3]}
+    finally:
+        router.instances = 0
+        _siblings.forget_shape()
+
+
+class ForwardOutsideAnyContext(httpx.BaseTransport):
+    """A wrapping transport that re-targets the request and sends it in an empty context, where no
+    trajectory is current (a pool whose workers do not carry the caller's context)."""
+
+    def __init__(self, to: str) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.to = to
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        import contextvars
+
+        request.url = request.url.copy_with(host=self.to)
+        return contextvars.Context().run(self.inner.handle_request, request)
+
+
+def test_our_copy_re_targeted_outside_any_trajectory_goes_with_the_callers_headers(
+    server: Recorder,
+) -> None:
+    """Planned for the router, sent elsewhere where nothing is current: the caller's own headers, not
+    the router's session (it must not leak to the host it really reached)."""
+    otel_session.configure(dynamo_hosts=[f"127.0.0.2:{server.port}"])
+    with otel_session.trajectory(), httpx.Client(transport=ForwardOutsideAnyContext("127.0.0.1")) as client:
+        assert client.get(f"http://127.0.0.2:{server.port}/a", headers={"X-Mine": "1"}).status_code == 200
+    [seen] = server.requests
+    assert seen.get(SESSION_HEADER) is None and seen.get("X-Mine") == "1"
+    assert hook._in_flight == {}
+
+
+def test_a_first_step_answered_by_an_async_transport_of_another_class_gathers_there(
+    router: Recorder,
+) -> None:
+    """The openai SDK's aiohttp backend is such a transport: httpx's own never sees the request, so
+    the gathering happens in the hook of the transport's class. 2 prompts x 6 on 4 workers: sized by
+    the step, groups of 3, every request with its session."""
+    import asyncio
+
+    from otel_session import _siblings
+
+    _siblings.forget_shape()
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="auto")
+    router.instances = 4
+    echoed: dict[str, list[dict[str, str]]] = {}
+
+    async def attempt(prompt: str) -> None:
+        with otel_session.trajectory():
+            async with httpx.AsyncClient(transport=AsyncEcho()) as client:
+                answer = await client.post(f"{router.url}/{prompt}/v1/chat/completions", json=_chat(prompt))
+                echoed.setdefault(prompt, []).append(dict(_echoed(answer)))
+
+    async def step() -> None:
+        await asyncio.gather(*(attempt(prompt) for prompt in ("p",) * 6 + ("q",) * 6))
+
+    try:
+        asyncio.run(step())
+        for prompt in ("p", "q"):
+            assert all("x-dynamo-session-id" in headers for headers in echoed[prompt]), echoed
+            parents = [headers.get("x-dynamo-parent-session-id") for headers in echoed[prompt]]
+            assert None not in parents and sorted(parents.count(p) for p in set(parents)) == [3, 3]
+    finally:
+        router.instances = 0
+        _siblings.forget_shape()
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["httpx's own transport", "a wrapping transport"])
+def test_a_blocking_client_on_a_loops_thread_reads_the_group_from_the_body(
+    router: Recorder, wrapped: bool
+) -> None:
+    """A sync client called from async code never waits (it would hold the loop): its first step is
+    not gathered, and the attempt's group is read from the body as it goes (the default's pairs)."""
+    import asyncio
+    import contextvars
+
+    from otel_session import _siblings
+
+    _siblings.forget_shape()
+    otel_session.configure(dynamo_hosts=[router.authority], siblings="auto")
+    attempts = [(contextvars.copy_context(), otel_session.trajectory(), prompt) for prompt in ("p", "p", "q")]
+
+    async def on_the_loop() -> None:
+        with httpx.Client(transport=Forward() if wrapped else None) as client:
+            for context, trajectory, _ in attempts:  # all open at once
+                context.run(trajectory.__enter__)
+            for context, _, prompt in attempts:
+                url = f"{router.url}/{prompt}/v1/chat/completions"
+                context.run(client.post, url, json=_chat(prompt))
+            for context, trajectory, _ in attempts:
+                context.run(trajectory.__exit__, None, None, None)
+
+    try:
+        asyncio.run(on_the_loop())
+        named = _parents_by_prompt(router)
+        assert len(named["p"]) == 1 and None not in named["p"] and named["q"] != named["p"]
+    finally:
+        _siblings.forget_shape()

@@ -640,9 +640,10 @@ def test_an_evaluation_pass_as_the_first_step_sizes_nothing(dynamo: Recorder) ->
     of lone attempts only is sized by them from its third step (each alone: no parent to pace)."""
     dynamo.instances = 8
     otel_session.configure(dynamo_hosts=[dynamo.url])
-    _step(dynamo, prompts=12, siblings=1)  # the first step: lone attempts, gathered
-    _split_of(dynamo, 12, 1)
-    assert _siblings.last_shape() == (12, 1) and not _siblings.step_seen()
+    for _ in range(2):  # two evaluation passes: lone attempts, each alone, gathered
+        _step(dynamo, prompts=12, siblings=1)
+        assert _split_of(dynamo, 12, 1) == {(1,)}
+        assert _siblings.last_shape() == (12, 1) and not _siblings.step_seen()
     _step(dynamo, prompts=10, siblings=4)  # gathered too: sized by itself
     assert _split_of(dynamo, 10, 4) == {(1, 3)}
     assert _siblings.step_seen()
@@ -650,13 +651,21 @@ def test_an_evaluation_pass_as_the_first_step_sizes_nothing(dynamo: Recorder) ->
     assert _split_of(dynamo, 10, 4) == {(1, 3)}
 
 
-def test_a_run_of_lone_attempts_sends_each_alone_from_its_third_step() -> None:
+def test_a_run_of_lone_attempts_sends_each_alone_and_every_step_may_gather() -> None:
+    """Found from outside: a run of lone attempts whose groups are read from the prompt named a parent
+    for every attempt (no fleet size is read without siblings, and the default's pairs gave each a
+    parent of its own, paced). Each goes alone after a lone step now, whatever is known of the fleet;
+    and until a step has had siblings any step may be a GRPO step's first, so it gathers."""
     auto = Siblings.parse("auto")
     _open_close(6, 1, auto, 8)
-    assert _siblings.last_shape() == (6, 1) and not _siblings.step_seen()  # may be an evaluation first
+    assert _siblings.last_shape() == (6, 1) and not _siblings.step_seen()
     _open_close(6, 1, auto, 8)
-    assert _siblings.step_seen()  # two steps of lone attempts: no step gathers from here on
-    alone = _siblings.join("lone", auto, 8)
-    assert alone is not None and alone[0] is None and alone[1].size == 1  # no parent, nothing paced
-    _siblings.leave(alone[1])
+    assert not _siblings.step_seen()  # two evaluation passes, then a GRPO step: it gathers too
+    for workers in (8, None, _siblings.UNREADABLE):
+        alone = _siblings.join("lone", auto, workers)
+        assert alone is not None and alone[0] is None and alone[1].size == 1, workers  # no parent
+        _siblings.leave(alone[1])
+    withheld = _siblings.join("lone", Siblings.parse("fleet"), None)  # fleet: withheld until sized
+    assert withheld is not None and withheld[0] == _siblings.WITHHELD
+    _siblings.leave(withheld[1])
     _siblings.forget_shape()
