@@ -664,6 +664,7 @@ def test_a_run_of_lone_attempts_sends_each_alone_and_every_step_may_gather() -> 
     for workers in (8, None, _siblings.UNREADABLE):
         alone = _siblings.join("lone", auto, workers)
         assert alone is not None and alone[0] is None and alone[1].size == 1, workers  # no parent
+        assert alone[1].sized is (workers == 8)  # sized to the fleet only where its size is known
         _siblings.leave(alone[1])
     withheld = _siblings.join("lone", Siblings.parse("fleet"), None)  # fleet: withheld until sized
     assert withheld is not None and withheld[0] == _siblings.WITHHELD
