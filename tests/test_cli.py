@@ -106,6 +106,26 @@ BAD_FLAGS = [
     (["doctor"], "--base-url", "required"),
     (["doctor", "--base-url", "nope"], "--base-url", "http://dynamo:8000/v1"),
     (["doctor", "--base-url", "http://127.0.0.1:9/v1", "--requests", "0"], "--requests", "2 to 1000"),
+    (
+        ["doctor", "--base-url", "http://127.0.0.1:9/v1", "--kv-tokens", "4096"],
+        "--context-tokens",
+        "together",
+    ),
+    (
+        [
+            "doctor",
+            "--base-url",
+            "http://127.0.0.1:9/v1",
+            "--kv-tokens",
+            "9",
+            "--context-tokens",
+            "2",
+            "--prompt-tokens",
+            "3",
+        ],
+        "--prompt-tokens",
+        "cannot exceed --context-tokens",
+    ),
     (["bogus-command"], "bogus-command", "--help"),
 ]
 
