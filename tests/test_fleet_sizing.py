@@ -200,6 +200,9 @@ def test_step_advice_leaves_affinity_off_for_a_split_step_on_caches_that_hold_it
     assert step_advice("kv", True, "groups:3", True, True) == split  # caches that hold it: off
     unknown = step_advice("kv", None, "groups:3", True, True)  # caches not told: off, and when on pays
     assert "leave session affinity off" in unknown and "several to a worker" in unknown
+    assert "with more prompts than workers pinning paid on tight caches:" in unknown
+    assert "caches that hold the step" in step_advice("kv", None, "groups:4", False, True)
+    assert "1.31x" not in split  # the crowding it names is of caches that cannot hold the groups
 
 
 def test_doctors_summary_claims_no_pinning_the_advice_may_turn_off() -> None:

@@ -294,11 +294,14 @@ def step_advice(
     in caches that hold it, and with more prompts than workers on tight caches (paced, placed
     evenly); a split step on caches that hold it was placed best by kv routing alone."""
     grouping = setting or "groups:K"
-    off = (
+    plain_off = (
         "leave session affinity off (no --router-session-affinity-ttl-secs): without the flag Dynamo "
         "routes as if the header were absent, so the step is kv routing alone's (the default's headers "
-        f"measured {STEP_OFF} of it, within run-to-run spread); with the flag, pinned siblings crowd "
-        f"workers whose caches cannot hold them (affinity on with siblings paired: {STEP_DEFAULT_ON})"
+        f"measured {STEP_OFF} of it, within run-to-run spread)"
+    )
+    off = (
+        f"{plain_off}; with the flag, pinned siblings crowd workers whose caches cannot hold them "
+        f"(affinity on with siblings paired: {STEP_DEFAULT_ON})"
     )
     keyed = (
         f"in groups sized to the fleet ({grouping} here), several to a worker, each new group's first "
@@ -331,9 +334,7 @@ def step_advice(
         f"affinity on and hash any balancer in front of several frontends on X-Dynamo-Session-ID "
         f"({STEP_RR_ON} on one frontend)"
     )
-    tail = (
-        " (pass --prompts, --siblings, --kv-tokens, --context-tokens and --prompt-tokens to have it checked)"
-    )
+    tail = " (pass --kv-tokens and --context-tokens, with --prompts and --siblings, to have it checked)"
     crowded = (
         "each worker's KV cache holds its share, but the step has up to a third more prompts than "
         "workers, which no grouping of siblings spreads evenly: with caches that hold the step the "
@@ -348,13 +349,16 @@ def step_advice(
         f"alone's step with 16 prompts x 4, {UNEVEN_STEPS} with 10 x 4): "
     )
     if holds is True and split:
-        kv = f"with kv routing, {crowded}{off}"
+        kv = f"with kv routing, {crowded}{plain_off}"
     elif holds is False and outnumber:
         kv = f"with kv routing, {tight}{on}"
     elif holds is True:
         kv = f"with kv routing, {on}"
     elif holds is False:
         kv = f"with kv routing, each worker's KV cache cannot hold the group pinned to it: {off}"
+    elif outnumber:
+        where = "on tight caches" if split else "on tight caches and on caches that hold the step"
+        kv = f"with kv routing, {off}; with more prompts than workers pinning paid {where}: {on}{tail}"
     else:
         kv = f"with kv routing, {off}; affinity pays only where a worker's cache holds its group: {on}{tail}"
     if layout == "kv":
