@@ -253,7 +253,7 @@ def shape(gathered: bool = False) -> tuple[int, int] | None:
     siblings has ended, for an attempt that waited for its step to gather (``_hop.gather``), the
     step open now, once a group in it has siblings (``None``: nothing to size by)."""
     found = _shape.groups_siblings()
-    if gathered and _groups and not step_seen():
+    if gathered and _groups and not _follows(found):
         most = max(group.started for group in _groups.values())
         if most >= 2:
             return len(_groups), most
@@ -263,7 +263,11 @@ def shape(gathered: bool = False) -> tuple[int, int] | None:
 def step_seen() -> bool:
     """Whether K follows the step before (no gathering): once a group with siblings has ended here
     (until then any step may be a GRPO step's first, after evaluation passes of lone attempts)."""
-    found = _shape.groups_siblings()
+    return _follows(_shape.groups_siblings())
+
+
+def _follows(found: tuple[int, int] | None) -> bool:
+    """Whether a shape found (``_Shape.groups_siblings``) is one a step follows: it has siblings."""
     return found is not None and found[1] > 1
 
 

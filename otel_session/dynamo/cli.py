@@ -503,14 +503,14 @@ def _doctor(args: argparse.Namespace) -> int:
         return _watch(args)
     if not args.base_url:
         raise UsageError("doctor: --base-url is required (or --watch METRICS_URL)")
-    _check_environment()
-    _check_clients()
-    from otel_session.dynamo.doctor import diagnose
-
     if (args.kv_tokens is None) != (args.context_tokens is None):
         raise UsageError("doctor: --kv-tokens and --context-tokens go together (a cache, what it must hold)")
     if args.prompt_tokens and args.context_tokens and args.prompt_tokens > args.context_tokens:
         raise UsageError("doctor: --prompt-tokens (the prompt siblings share) cannot exceed --context-tokens")
+    _check_environment()
+    _check_clients()
+    from otel_session.dynamo.doctor import diagnose
+
     batch = (args.prompts, args.siblings) if args.prompts and args.siblings else None
     report = diagnose(
         args.base_url, model=args.model, requests=args.requests, batch=batch, layout=args.layout,

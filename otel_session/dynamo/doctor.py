@@ -21,6 +21,7 @@ from otel_session.dynamo._library_log import no_session_on_purpose
 from otel_session.dynamo.sizing import (
     FULL_ANSWER,
     caches_hold,
+    prompts_outnumber,
     prompts_split,
     sibling_group_size,
     siblings_note,
@@ -258,7 +259,7 @@ def diagnose(
             "caches that hold it: pass --layout kv)",
         )
     split = batch is not None and bool(fleet) and prompts_split(fleet or 0, *batch)
-    outnumber = batch is not None and bool(fleet) and batch[1] > 1 and batch[0] > (fleet or 0)
+    outnumber = batch is not None and bool(fleet) and prompts_outnumber(fleet or 0, *batch)
     report.add("step time", True, step_advice(layout, holds, setting, split, outnumber))
     report.add("session table", True, " ".join(sizing_note()))
     if batch is not None:

@@ -187,10 +187,20 @@ SIBLINGS_RULE = (
 )
 
 
+def prompts_outnumber(workers: int, prompts: int, siblings: int) -> bool:
+    """Whether a step of siblings has more prompts than the fleet has workers (several groups share a
+    worker)."""
+    return siblings > 1 and prompts > workers
+
+
 def prompts_split(workers: int, prompts: int, siblings: int) -> bool:
     """Whether the default splits each prompt of this step into a group and a smaller rest (up to a
     third more prompts than workers: whole groups would crowd a few workers)."""
-    return siblings > 1 and prompts > workers > 0 and _siblings.splits(workers, prompts, siblings)
+    return (
+        workers > 0
+        and prompts_outnumber(workers, prompts, siblings)
+        and _siblings.splits(workers, prompts, siblings)
+    )
 
 
 def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
@@ -218,7 +228,7 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
             f"places the next ({UNEVEN_STEPS} kv routing alone's step; whole groups were {UNEVEN_WHOLE}, "
             f"and these groups 10 ms apart {UNEVEN_CLOSE})"
         )
-    elif siblings > 1 and prompts > workers:
+    elif prompts_outnumber(workers, prompts, siblings):
         verdict += (
             f"; {prompts} prompts on {workers} workers put several groups on a worker: the library "
             "sends each new group's first requests 10 ms after the last group's, so the router places "
