@@ -407,7 +407,11 @@ def test_the_shape_is_the_last_steps_whatever_the_running_step_opens() -> None:
         assert ticket is not None
         _siblings.leave(ticket[1])
     assert _siblings.last_shape() == (1, 5)  # a step of lone attempts (an evaluation pass): kept
-    _open_close(3, 2, auto)
+    paired = [_siblings.join(g, auto) for g in range(3) for _ in range(2)]  # a step with siblings
+    assert _siblings.last_shape() == (1, 5)  # under way: still the step before's, not (3, 2)
+    for ticket in paired:
+        assert ticket is not None
+        _siblings.leave(ticket[1])
     assert _siblings.last_shape() == (3, 2)  # the next step with siblings replaces it
     _open_close(4, 1, auto)
     assert _siblings.last_shape() == (3, 2)  # pairs too are siblings: a lone step after them is not
