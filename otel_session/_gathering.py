@@ -154,19 +154,20 @@ class _Look:
 
     async def ended(self) -> None:
         """Until the look is over: the first attempt here looks every ``SETTLE`` (after the step's
-        other attempts, started with it, reach theirs); the others sleep until it is over. A looker
-        cancelled (its step cancelled) wakes the others, and one of them looks on. The look is no
-        longer shared once it is over or no attempt is inside it."""
+        other attempts, started with it, reach theirs); the others sleep until it is over, at most
+        until its bound, as threads do. A looker cancelled (its step cancelled) wakes the others,
+        and one of them looks on. The look is no longer shared once it is over or no attempt is
+        inside it."""
         loop = asyncio.get_running_loop()
         self.inside += 1
         try:
-            while not self.over:  # the looker's own bound (``WAIT``) ends it
+            while not self.over and time.monotonic() < self.end + SETTLE_THREADS:
                 if not self.looking:
                     await self._look()
                     return
                 woken = loop.create_future()
                 self.waiting.append(woken)
-                await woken
+                await asyncio.wait((woken,), timeout=self.end + SETTLE_THREADS - time.monotonic())
         finally:
             self.inside -= 1
             key = (id(loop), self.origin)
@@ -184,8 +185,8 @@ class _Look:
         finally:
             self.looking = False
             waiting, self.waiting = self.waiting, []
-            for woken in waiting:  # not one cancelled meanwhile, nor on a loop closed under it
-                if not woken.done() and not woken.get_loop().is_closed():
+            for woken in waiting:  # each set here only (a sleeper's wait leaves it as it is), not
+                if not woken.get_loop().is_closed():  # on a loop closed under it
                     woken.set_result(None)
 
     def ended_here(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -20,6 +21,11 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from tests.loopback import AsgiServer, Served
+
+# Seconds a test waits for what a loopback peer or a background thread does within milliseconds: ample
+# on a loaded CI machine. The mutation run sets TEST_PATIENCE lower (scripts/mutate.py), so a mutant
+# that stops it from happening is killed in that time rather than in ten seconds.
+PATIENCE = float(os.environ.get("TEST_PATIENCE", "10"))
 
 
 @dataclass

@@ -46,6 +46,8 @@ def test_case_insensitivity_is_decided_once_per_type(monkeypatch: pytest.MonkeyP
     assert _carriers.case_insensitive(httpx.Headers()) is True
     assert _carriers._case_insensitive[httpx.Headers] is True
     assert _carriers.case_insensitive({}) is False and _carriers._case_insensitive[dict] is False
+    monkeypatch.setattr(_carriers, "_CASE_INSENSITIVE_TYPES", frozenset())
+    assert _carriers.case_insensitive(httpx.Headers()) is True  # decided: not looked up again
 
 
 @pytest.mark.parametrize(

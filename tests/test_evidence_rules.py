@@ -340,3 +340,23 @@ def test_a_status_is_an_error_answer_from_429_and_from_500_inside_a_trajectory_a
     _evidence.answered_status(503, *AT)  # no session
     assert _evidence.routers[ROUTER].errors == 2
     assert [a["http.response.status_code"] for _, a in counted["error_responses"].added] == [429, 500]
+
+
+def test_the_turns_of_a_session_unpinned_after_a_refusal_are_no_evidence(
+    counted: dict[str, Recording],
+) -> None:
+    """A session the router refused and that goes unpinned since (``_hop.unpinned``) lands where the
+    router alone places it: its turns say nothing of affinity and are not counted; another
+    session's are."""
+    otel_session.configure(dynamo_hosts=["127.0.0.1:8000"])
+    with otel_session.trajectory() as refused:
+        assert _hop.unpin(refused.session_id)
+        try:
+            _evidence.parsed(_answer(1000, 0, worker=1), *AT)
+            _evidence.parsed(_answer(1100, 0, worker=2), *AT)
+        finally:
+            _hop.unpinned.pop(refused.session_id, None)
+    assert counted["turns"].added == [] and _evidence.routers == {}
+    with otel_session.trajectory():
+        _evidence.parsed(_answer(1000, 0, worker=1), *AT)
+    assert len(counted["turns"].added) == 1

@@ -21,7 +21,7 @@ import trustme
 
 import otel_session
 from otel_session import SESSION_HEADER, _bounded_http, _faults, _fleet
-from tests.recorder import Recorder
+from tests.recorder import PATIENCE, Recorder
 
 _START = threading.Thread.start
 
@@ -45,11 +45,25 @@ def test_workers_are_the_distinct_instances_serving_generate(health: Any, worker
     assert _fleet.workers_in(health) == workers
 
 
-def _wait_known(origin: str, timeout: float = 10.0) -> Any:
+def _wait_known(origin: str, timeout: float = PATIENCE) -> Any:
     deadline = time.monotonic() + timeout
     while origin not in _fleet.known() and time.monotonic() < deadline:
         time.sleep(0.02)
     return _fleet.known().get(origin)
+
+
+def test_a_router_is_read_once_while_a_read_is_under_way_and_while_its_size_is_fresh(
+    dynamo: Recorder,
+) -> None:
+    """Every attempt of a step asks for the size: one GET of /health serves them all, whether they
+    ask while it is in flight or once its answer is known."""
+    dynamo.instances, dynamo.health_delay = 3, 0.2
+    origin = ("http", dynamo.host, dynamo.port)
+    assert [_fleet.size_at(origin) for _ in range(5)] == [None] * 5  # one read under way
+    assert _wait_known(dynamo.url) == 3
+    assert [_fleet.size_at(origin) for _ in range(5)] == [3] * 5  # fresh: not read again
+    time.sleep(0.3)  # a second read, had one started, would have been answered by now
+    assert len(dynamo.health_reads) == 1
 
 
 def test_a_router_is_read_once_and_again_after_a_while(
@@ -63,7 +77,7 @@ def test_a_router_is_read_once_and_again_after_a_while(
     monkeypatch.setattr(_fleet, "REREAD", 0.0)
     dynamo.instances = 5
     assert _fleet.size_at(origin) == 3  # stale: the last size serves while it is read again
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while _fleet.known().get(dynamo.url) != 5 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _fleet.known()[dynamo.url] == 5
@@ -163,7 +177,7 @@ def test_no_request_waits_for_a_health_that_is_slow(dynamo: Recorder) -> None:
 def test_the_read_is_one_get_of_json_in_a_daemon_thread_of_its_own(dynamo: Recorder) -> None:
     dynamo.instances, dynamo.health_delay = 2, 1.0
     _fleet.size_at(("http", dynamo.host, dynamo.port))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE
     reader = None
     while reader is None and time.monotonic() < deadline:
         reader = next((t for t in threading.enumerate() if t.name == "otel-session-fleet"), None)
@@ -243,7 +257,7 @@ def test_a_router_read_again_is_said_once(
     with caplog.at_level(logging.WARNING, logger="otel_session"):
         for reads in (1, 2):
             _fleet.size_at(origin)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + PATIENCE
             while len(dynamo.health_reads) < reads or origin in _fleet._reading:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
@@ -257,7 +271,7 @@ def test_a_read_still_in_flight_when_forgotten_is_not_kept(dynamo: Recorder) -> 
     origin = ("http", dynamo.host, dynamo.port)
     assert _fleet.size_at(origin) is None
     _fleet.forget()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + PATIENCE
     while not dynamo.health_reads and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.6)  # the answer (0.3 s late) has come back to the reading thread

@@ -25,7 +25,7 @@ import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _faults, _gathering, _siblings
 from otel_session._policy import Offer
 from otel_session._siblings import Siblings
-from tests.recorder import Recorder
+from tests.recorder import PATIENCE, Recorder
 from tests.support import forked_while_held
 
 
@@ -374,6 +374,89 @@ def test_a_thousand_attempts_on_one_loop_share_one_look(
     assert len(parents) == 125 and len(dynamo.requests) == 1000
     assert all(len(named) == 1 and None not in named for named in parents.values()), parents  # K = 8
     assert _gathering._looks == {}
+
+
+def test_attempts_asleep_on_a_look_wake_as_it_ends_not_at_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five attempts of a step on one loop share one look; the fleet's size is known, so the look ends
+    at its second glance, and the four asleep on it go on then (its bound, a minute here, is only
+    for a looker that never wakes them)."""
+    monkeypatch.setattr(_gathering, "WAIT", 60.0)
+    monkeypatch.setattr(_gathering._fleet, "size_at", lambda origin, tell=True: 4)
+    lookers: list[asyncio.Task[Any] | None] = []
+    again = _gathering._Look.again
+    monkeypatch.setattr(
+        _gathering._Look, "again", lambda self: lookers.append(asyncio.current_task()) or again(self)
+    )
+
+    async def attempt() -> _gathering._Look:
+        look = _gathering._shared(("http", "127.0.0.1", 9))
+        await look.ended()
+        return look
+
+    async def step() -> tuple[set[_gathering._Look], float]:
+        started = time.monotonic()
+        looks = await asyncio.wait_for(asyncio.gather(*(attempt() for _ in range(5))), PATIENCE)
+        return set(looks), time.monotonic() - started
+
+    (look,), took = asyncio.run(step())  # one look for all five
+    assert look.over and not look.looking and look.waiting == [] and look.inside == 0
+    assert len(set(lookers)) == 1 and took < 30.0  # one attempt looked, and no one waited its bound
+
+
+def test_an_attempt_cancelled_in_its_sleep_is_not_woken_and_the_look_ends_for_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One of the attempts asleep on a look is cancelled (its step's task was): the looker wakes the
+    others as the look ends, leaves the cancelled one as it is, and nothing raises."""
+    monkeypatch.setattr(_gathering, "WAIT", 60.0)
+    monkeypatch.setattr(_gathering._fleet, "size_at", lambda origin, tell=True: 4)
+
+    async def step() -> tuple[_gathering._Look, list[asyncio.Task[None]]]:
+        look = _gathering._Look(("http", "127.0.0.1", 9))
+        looker = asyncio.ensure_future(look.ended())
+        await asyncio.sleep(0)  # the looker looks
+        asleep = [asyncio.ensure_future(look.ended()) for _ in range(2)]
+        await asyncio.sleep(0)  # they sleep on its look
+        asleep[0].cancel()
+        await asyncio.wait_for(asyncio.gather(looker, asleep[1]), PATIENCE)
+        return look, asleep
+
+    look, asleep = asyncio.run(step())
+    assert asleep[0].cancelled() and asleep[1].done() and look.over and look.inside == 0
+
+
+def test_a_look_past_its_bound_gives_up_only_on_a_size_still_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``WAIT`` a look ends; a router whose size it never learnt is not waited for again by a
+    later group of the step (``_gave_up``), one whose size it learnt is."""
+    monkeypatch.setattr(_gathering, "WAIT", 0.0)
+    monkeypatch.setattr(_gathering, "_gave_up", set())
+    unknown, known = ("http", "127.0.0.1", 9), ("http", "127.0.0.1", 10)
+    monkeypatch.setattr(
+        _gathering._fleet, "size_at", lambda origin, tell=True: 4 if origin == known else None
+    )
+    assert not _gathering._Look(unknown).again() and not _gathering._Look(known).again()
+    assert _gathering._gave_up == {unknown}
+
+
+def test_an_attempt_asleep_on_a_look_nobody_ends_goes_on_at_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A look whose looker is gone without waking the others (it cannot, but a wait here must never
+    outlast its bound): an attempt asleep on it goes on ``SETTLE_THREADS`` after ``WAIT``, as a
+    thread's does, woken once."""
+    monkeypatch.setattr(_gathering, "WAIT", 0.03)
+    monkeypatch.setattr(_gathering._fleet, "size_at", lambda origin, tell=True: 4)
+
+    async def asleep() -> tuple[_gathering._Look, float]:
+        look = _gathering._Look(("http", "127.0.0.1", 9))
+        look.looking = True  # a looker elsewhere, never to wake it
+        started = time.monotonic()
+        await asyncio.wait_for(look.ended(), PATIENCE)
+        return look, time.monotonic() - started
+
+    look, took = asyncio.run(asleep())
+    assert 0.03 <= took < PATIENCE and not look.over and look.inside == 0
+    assert len(look.waiting) == 1  # slept once, until its bound
 
 
 def test_a_looker_cancelled_hands_the_look_on(dynamo: Recorder, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -494,6 +494,7 @@ def test_every_forgetting_releases_the_waits_begun_before_it(
         queue.next = queue.left = clock.now + seconds
 
     def sleep(seconds: float) -> None:
+        assert len(slept) < 10, f"the wait never ends: {slept}"
         slept.append(seconds)
         clock.advance(seconds)
         _pacing.forget()  # unconfigure() as it sleeps; a new step's parents asked at once after
@@ -608,8 +609,9 @@ def test_a_blocking_client_waits_for_its_parents_turn(
     assert dynamo.requests[0].get(PARENT_SESSION_HEADER) is not None and not caplog.records
 
 
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
 def test_an_attempts_first_requests_sent_together_name_one_parent_counted_once(
-    dynamo: Recorder,
+    dynamo: Recorder, client: str
 ) -> None:
     """Two requests of one attempt sent at once in its first step: one waits for the step and its
     turn, the other decides the attempt meanwhile; both name the same parent and the attempt is
@@ -620,13 +622,20 @@ def test_an_attempts_first_requests_sent_together_name_one_parent_counted_once(
     before = support.metric_points()  # the reader's provider set before the library's meter is made
     otel_session.configure(dynamo_hosts=[dynamo.url])
 
+    async def post(http: Any, url: str) -> None:
+        if client == "httpx":
+            (await http.post(url, json=_body(0), timeout=10)).raise_for_status()
+            return
+        async with http.post(url, json=_body(0)) as answer:
+            answer.raise_for_status()
+
     async def run() -> None:
-        async def attempt(http: httpx.AsyncClient, sibling: int) -> None:
+        async def attempt(http: Any, sibling: int) -> None:
             async with otel_session.trajectory(group="g"):
                 url = f"{dynamo.url}/p0/s{sibling}/v1/chat/completions"
-                await asyncio.gather(*(http.post(url, json=_body(0), timeout=10) for _ in range(2)))
+                await asyncio.gather(*(post(http, url) for _ in range(2)))
 
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient() if client == "httpx" else aiohttp.ClientSession() as http:
             await asyncio.gather(attempt(http, 0), attempt(http, 1))
 
     asyncio.run(run())
@@ -894,6 +903,7 @@ def test_no_wait_outlasts_the_spread_even_where_its_turn_was_dropped(
     slept: list[float] = []
 
     def sleep(seconds: float) -> None:
+        assert len(slept) < 10, f"the wait never ends: {slept}"
         slept.append(seconds)
         clock.advance(seconds)
         if len(slept) == 1:  # asleep behind a long queue: the turns are dropped, not forgotten
@@ -948,3 +958,32 @@ def test_a_stream_past_a_hundred_new_parents_a_second_backs_up_to_the_spread(clo
         waits = _stream_waits(clock, pace, 1500, 1 / 150)
         assert max(waits) == pytest.approx(_pacing.SPREAD, abs=0.02), (pace, max(waits))
         clock.advance(10)
+
+
+def test_a_wait_sleeps_to_its_turn_once_and_a_turn_come_or_a_loops_thread_never_sleeps(
+    monkeypatch: pytest.MonkeyPatch, clock: _Clock
+) -> None:
+    """Each wait, on a loop or in a thread, sleeps until its parent's slot and goes (a wait that
+    slept on past it would never end on a clock that only its sleeps move); a parent whose turn has
+    come and a thread running an event loop go at once."""
+    here = ("http", "127.0.0.1", 1)
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        assert len(slept) < 10, f"the wait never ends: {slept}"
+        slept.append(round(seconds, 6))
+        clock.advance(seconds)
+
+    async def sleep_on_a_loop(seconds: float) -> None:
+        sleep(seconds)
+
+    monkeypatch.setattr(clock, "sleep", sleep, raising=False)
+    monkeypatch.setattr(_pacing, "asyncio", SimpleNamespace(sleep=sleep_on_a_loop))
+    _pacing.wait_here(here, "a", True, 0.25)  # the first new parent: its slot is now
+    _pacing.wait_here(here, "b", True, 0.25)
+    asyncio.run(_pacing.wait(here, "c", 0.25))
+    assert slept == [0.25, 0.25]
+    _pacing.wait_here(here, "b", True, 0.25)  # b's turn has come: its siblings go at once
+    asyncio.run(_pacing.wait(here, "c", 0.25))
+    _pacing.wait_here(here, "d", False, 0.25)  # its slot is 0.25 s away, but this thread runs a loop
+    assert slept == [0.25, 0.25]

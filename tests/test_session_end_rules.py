@@ -38,6 +38,7 @@ from otel_session._session_end import (
     notices,
 )
 from tests.loopback import AsgiServer
+from tests.recorder import PATIENCE
 
 SESSION = "6d3a1f0e-8a57-4b0e-9c55-0c7d1b2d3e4f"
 PARENT = "0f3c2b1a-1111-4222-8333-444455556666"
@@ -94,7 +95,7 @@ def _visit(profile: str, server: AsgiServer) -> _session_end.Visit:
     return (profile, "http", "127.0.0.1", server.port)
 
 
-def _wait_for(predicate: object, timeout: float = 3.0) -> None:
+def _wait_for(predicate: object, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < deadline, "timed out"

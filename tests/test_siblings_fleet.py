@@ -23,7 +23,7 @@ import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _fleet, _siblings
 from otel_session._siblings import Siblings, open_groups
 from tests import support
-from tests.recorder import Recorder
+from tests.recorder import PATIENCE, Recorder
 
 
 def _step(
@@ -91,7 +91,7 @@ def _attempts(dynamo: Recorder) -> dict[tuple[str, str], tuple[str | None, str |
 
 
 def _wait_for_size(dynamo: Recorder) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     origin = ("http", dynamo.host, dynamo.port)
     while _fleet.size_at(origin) is None and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -7,6 +7,8 @@ tests/test_requests_client.py."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -27,7 +29,7 @@ from otel_session import _evidence, _faults, _hop, _metrics
 from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import urllib3_client as hook
 from tests.proxy import RecordingProxy
-from tests.recorder import Recorder
+from tests.recorder import PATIENCE, Recorder
 from tests.test_metrics_rules import Recording
 
 NAMES = ("baggage", "traceparent", "x-dynamo-session-id")
@@ -411,3 +413,127 @@ def test_our_values_a_stock_propagator_copied_into_requests_headers_are_taken_ba
         propagate.set_global_textmap(before)
     [arrived] = other.requests
     assert arrived.get("X-Mine") == "1" and arrived.get("baggage") is None, arrived.headers
+
+
+def _chat_body(prompt: str) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
+
+
+def _threads_step(
+    dynamo: Recorder, prompts: list[str], send: Any, gym: Recorder | None = None, on_a_loop: bool = False
+) -> dict[int, tuple[str | None, str | None]]:
+    """A first step in threads, as a rollout pool runs one: a plain ``trajectory()`` per entry of
+    ``prompts``, each sending its first request through ``send(pool, index, prompt)`` (after one to
+    ``gym`` where given; from a coroutine, blocking its thread's event loop, where ``on_a_loop``) and
+    staying open until every attempt has sent it; (session, parent) by attempt."""
+    barrier = threading.Barrier(len(prompts))
+    pool = urllib3.HTTPConnectionPool("127.0.0.1", dynamo.port, maxsize=len(prompts))
+    failed: list[BaseException] = []
+
+    def attempt(index: int, prompt: str) -> None:
+        with otel_session.trajectory():
+            if gym is not None:  # not a router: its body must not decide the attempt's group
+                body = _chat_body(f"tool call {index}")
+                urllib3.HTTPConnectionPool("127.0.0.1", gym.port).urlopen("POST", "/g", body=body)
+            assert send(pool, index, prompt).status == 200
+            barrier.wait(PATIENCE)
+
+    async def attempt_on_a_loop(index: int, prompt: str) -> None:
+        attempt(index, prompt)
+
+    def run(index: int, prompt: str) -> None:
+        try:
+            asyncio.run(attempt_on_a_loop(index, prompt)) if on_a_loop else attempt(index, prompt)
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(prompts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PATIENCE * 3)
+    assert not failed, failed
+    return {
+        int(s.path.split("/")[1][1:]): (s.get("x-dynamo-session-id"), s.get(PARENT)) for s in dynamo.requests
+    }
+
+
+PARENT = "x-dynamo-parent-session-id"
+
+
+@pytest.mark.parametrize("given", ["by keyword", "by position"])
+def test_siblings_found_by_the_prompt_of_a_pools_body_share_a_parent(
+    dynamo: Recorder, given: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default (``auto``), no ``group=``: each attempt's group is read from the body of its first
+    request to the router, given to ``urlopen`` by keyword (as requests gives it) or by position, and
+    the step, gathered in its threads, is sized to the router's 2 workers: each prompt's siblings
+    under one parent of their own."""
+    monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
+    dynamo.instances = 2
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    caplog.set_level(logging.WARNING, "otel_session")
+
+    def send(pool: urllib3.HTTPConnectionPool, index: int, prompt: str) -> Any:
+        if given == "by keyword":
+            return pool.urlopen("POST", f"/a{index}/v1/chat/completions", body=_chat_body(prompt))
+        return pool.urlopen("POST", f"/a{index}/v1/chat/completions", _chat_body(prompt))
+
+    carried = _threads_step(dynamo, ["two plus two?"] * 3 + ["name a color"] * 3, send)
+    sessions = {session for session, _ in carried.values()}
+    assert len(carried) == 6 and len(sessions) == 6 and None not in sessions
+    first, second = {carried[i][1] for i in range(3)}, {carried[i][1] for i in range(3, 6)}
+    assert len(first) == len(second) == 1 and None not in first | second and first != second, carried
+    (said,) = _said(caplog)  # the one line of a step sized, and no fault
+    assert said.startswith("otel-session: siblings sized to the fleet: 3 per parent session (2 workers;")
+
+
+def test_a_first_step_sent_from_event_loops_threads_is_grouped_by_prompt_without_gathering(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocking requests from coroutines (each thread runs an event loop, which a wait would hold):
+    the first step does not gather there, yet each attempt's first request decides its group from
+    its prompt, paired as the default pairs an unsized step."""
+    monkeypatch.delenv("OTEL_SESSION_SIBLINGS", raising=False)
+    dynamo.instances = 2
+    otel_session.configure(dynamo_hosts=[dynamo.authority])
+    caplog.set_level(logging.WARNING, "otel_session")
+
+    def send(pool: urllib3.HTTPConnectionPool, index: int, prompt: str) -> Any:
+        return pool.urlopen("POST", f"/a{index}/v1/chat/completions", body=_chat_body(prompt))
+
+    carried = _threads_step(dynamo, ["two plus two?"] * 2 + ["name a color"] * 2, send, on_a_loop=True)
+    first, second = {carried[0][1], carried[1][1]}, {carried[2][1], carried[3][1]}
+    assert len(first) == len(second) == 1 and None not in first | second and first != second, carried
+    assert None not in {session for session, _ in carried.values()} and not _said(caplog)
+
+
+def test_a_request_to_a_host_that_is_no_router_decides_no_group(dynamo: Recorder, gym: Recorder) -> None:
+    """Each attempt first posts to a Gym server (a body of its own), then its prompt to the router:
+    the router's request decides the group, so the two siblings still share a parent."""
+    otel_session.configure(
+        dynamo_hosts=[dynamo.authority], trusted_hosts=[gym.authority], siblings="groups:2"
+    )
+
+    def send(pool: urllib3.HTTPConnectionPool, index: int, prompt: str) -> Any:
+        return pool.urlopen("POST", f"/a{index}/v1/chat/completions", body=_chat_body(prompt))
+
+    carried = _threads_step(dynamo, ["two plus two?"] * 2, send, gym)
+    parents = {parent for _, parent in carried.values()}
+    assert len(gym.requests) == 2 and len(parents) == 1 and None not in parents, carried
+
+
+def test_a_body_streamed_in_chunks_names_no_group_and_the_session_still_goes(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body urllib3 streams (an iterator of chunks) cannot be read without consuming it: no group,
+    no line, the session on the request all the same, and the body arrives whole."""
+    otel_session.configure(dynamo_hosts=[dynamo.authority], siblings="prompt")
+    caplog.set_level(logging.WARNING, "otel_session")
+    pool = urllib3.HTTPConnectionPool("127.0.0.1", dynamo.port)
+    with otel_session.trajectory() as traj:
+        chunks = iter([b'{"model": "m", ', b'"messages": []}'])
+        assert pool.urlopen("POST", "/v1/chat/completions", body=chunks, chunked=True).status == 200
+    (seen,) = dynamo.requests
+    assert seen.get("x-dynamo-session-id") == traj.session_id and seen.get(PARENT) is None
+    assert not _said(caplog)
