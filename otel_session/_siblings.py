@@ -91,9 +91,9 @@ DEFAULT = Siblings(AUTO)
 
 class GroupKey:
     """A group key as its group's first attempt joined: its hash taken once, so every attempt leaves
-    the group by that hash and by identity, never running the key's own code again (a key the
-    application changes while the attempt runs, or whose ``__hash__`` raises later, would otherwise
-    stay in ``_groups`` for good)."""
+    the group by that hash and by identity, running the key's own code again only against another
+    group's key on the same hash (a key the application changes while the attempt runs, or whose
+    ``__hash__`` raises later, would otherwise stay in ``_groups`` for good)."""
 
     __slots__ = ("hash", "key", "placed", "size", "sized")
 
@@ -379,7 +379,7 @@ def place(
 
 def leave(ticket: GroupKey) -> None:
     """One attempt ended (``ticket``: what its ``join`` returned); the last one open forgets the group."""
-    with _lock, contextlib.suppress(Exception):  # found by identity: the key's own code is not run
+    with _lock, contextlib.suppress(Exception):  # a key's own __eq__ runs only on a shared hash
         group = _groups.get(ticket)
         if group is not None and group.key is ticket:
             group.open -= 1

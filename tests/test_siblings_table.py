@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from otel_session import _faults, _siblings
+from otel_session import _faults, _pacing, _siblings
 from otel_session._siblings import GroupKey, Inferred, Siblings, join, leave, open_groups
 
 
@@ -353,3 +353,49 @@ def test_a_split_is_worked_out_once_per_shape_and_a_few_shapes_are_kept() -> Non
     assert len(_siblings._sized) == 1 and _siblings._sized[8, 9, 4] == _siblings.group_size(8, 9, 4)
     _siblings._sized[8, 9, 4] = 2  # what is kept is what is used
     assert _siblings.group_size(8, 9, 4) == 2
+
+
+def test_a_groups_parents_turns_are_released_as_its_last_attempt_leaves() -> None:
+    """Kept, a long run's table of turns would fill and drop those of attempts still open (whose
+    later requests would then wait as new parents): the group's last attempt to end releases them."""
+    origin = ("http", "127.0.0.1", 9)
+    first, second = join("g", Siblings(2)), join("g", Siblings(2))
+    assert first is not None and second is not None and first[0] == second[0] is not None
+    _pacing.delay(origin, first[0])  # the parent takes its turn at the router
+    leave(first[1])
+    assert first[0] in _pacing._turns  # a sibling is still open under it
+    leave(second[1])
+    assert first[0] not in _pacing._turns and open_groups() == 0
+
+
+class _Breaks:
+    """A group key whose ``__eq__`` works while its attempts start and raises later (an application's
+    object that changed), with every instance on one hash."""
+
+    broken = False
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        if _Breaks.broken:
+            raise RuntimeError("compared after it changed")
+        return isinstance(other, _Breaks) and other.name == self.name
+
+
+def test_an_attempt_leaves_without_raising_though_its_keys_comparison_raises_by_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two groups on one hash: leaving the second compares its key with the first's (the key's own
+    code), which now raises; the attempt's end must not (it would end the user's ``with``)."""
+    first, second = join(_Breaks("a"), Siblings(2)), join(_Breaks("b"), Siblings(2))
+    assert first is not None and second is not None and open_groups() == 2
+    monkeypatch.setattr(_Breaks, "broken", True)
+    leave(second[1])
+    leave(first[1])
+    monkeypatch.setattr(_Breaks, "broken", False)
+    leave(second[1])  # compared again, it is found and forgotten
+    assert open_groups() == 0
