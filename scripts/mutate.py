@@ -376,10 +376,13 @@ class PreparedTests:
         quiet = os.open(os.devnull, os.O_WRONLY)  # pytest's reporter writes to the parent's log
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)
-        for item, following in zip(items, [*items[1:], None], strict=True):
-            item.ihook.pytest_runtest_protocol(item=item, nextitem=following)
-            if self.failed:
-                return 1
+        try:
+            for item, following in zip(items, [*items[1:], None], strict=True):
+                item.ihook.pytest_runtest_protocol(item=item, nextitem=following)
+                if self.failed:
+                    return 1
+        except BaseException:  # what pytest lets out of a test (KeyboardInterrupt, pytest.exit) must
+            return 1  # not leave this function: the child would go on running mutmut's loop
         return 0
 
 
