@@ -25,7 +25,7 @@ from opentelemetry.propagators.composite import CompositePropagator
 from requests.structures import CaseInsensitiveDict
 
 import otel_session
-from otel_session import _evidence, _faults, _hop, _metrics
+from otel_session import PARENT_SESSION_HEADER, _evidence, _faults, _hop, _metrics
 from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import urllib3_client as hook
 from tests.proxy import RecordingProxy
@@ -454,11 +454,9 @@ def _threads_step(
         thread.join(PATIENCE * 3)
     assert not failed, failed
     return {
-        int(s.path.split("/")[1][1:]): (s.get("x-dynamo-session-id"), s.get(PARENT)) for s in dynamo.requests
+        int(s.path.split("/")[1][1:]): (s.get("x-dynamo-session-id"), s.get(PARENT_SESSION_HEADER))
+        for s in dynamo.requests
     }
-
-
-PARENT = "x-dynamo-parent-session-id"
 
 
 @pytest.mark.parametrize("given", ["by keyword", "by position"])
@@ -527,7 +525,7 @@ def test_a_body_streamed_in_chunks_names_no_group_and_the_session_still_goes(
     dynamo: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A body urllib3 streams (an iterator of chunks) cannot be read without consuming it: no group,
-    no line, the session on the request all the same, and the body arrives whole."""
+    no line, and the session on the request all the same."""
     otel_session.configure(dynamo_hosts=[dynamo.authority], siblings="prompt")
     caplog.set_level(logging.WARNING, "otel_session")
     pool = urllib3.HTTPConnectionPool("127.0.0.1", dynamo.port)
@@ -535,5 +533,5 @@ def test_a_body_streamed_in_chunks_names_no_group_and_the_session_still_goes(
         chunks = iter([b'{"model": "m", ', b'"messages": []}'])
         assert pool.urlopen("POST", "/v1/chat/completions", body=chunks, chunked=True).status == 200
     (seen,) = dynamo.requests
-    assert seen.get("x-dynamo-session-id") == traj.session_id and seen.get(PARENT) is None
+    assert seen.get("x-dynamo-session-id") == traj.session_id and seen.get(PARENT_SESSION_HEADER) is None
     assert not _said(caplog)
