@@ -175,7 +175,7 @@ def test_no_request_waits_for_a_health_that_is_slow(dynamo: Recorder) -> None:
 
 
 def test_the_read_is_one_get_of_json_in_a_daemon_thread_of_its_own(dynamo: Recorder) -> None:
-    dynamo.instances, dynamo.health_delay = 2, 1.0
+    dynamo.instances, dynamo.health_delay = 2, 0.2  # the reader is looked for, every 10 ms, meanwhile
     _fleet.size_at(("http", dynamo.host, dynamo.port))
     deadline = time.monotonic() + PATIENCE
     reader = None
