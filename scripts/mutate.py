@@ -111,6 +111,14 @@ MODULES: dict[str, tuple[str, ...]] = {
     "instrumentation.aiohttp_client": (*_AIOHTTP_TESTS, "tests/test_gathering.py", "tests/test_pacing.py"),
     "instrumentation.urllib3_client": (*_URLLIB3_TESTS, "tests/test_pacing.py"),
 }
+# pytest's arguments for every run of the tests, mutmut's and PreparedTests': a fixed order (each test
+# must pass alone anyway); no cache written into the copy; pytest's unraisable- and thread-exception
+# plugins collect the garbage twice at each session's end: half of each mutant's 0.11 s (under
+# mutation, test_gathering's one test that turns their warning into an error cannot see it).
+PYTEST_ARGS = (
+    "-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+    "-p", "no:threadexception", "-m", "not slow",
+)  # fmt: skip
 SEED = 20261205
 COPIED = ("otel_session", "tests", "benchmarks", "pyproject.toml", "setup.py")
 SEPARATOR = "\u01c1"  # mutmut's separator in a method's mangled name (xǁClassǁmethod)
@@ -139,12 +147,7 @@ def mutmut_config(modules: list[str]) -> str:
         'source_paths = ["otel_session"]\n'
         'also_copy = ["benchmarks"]\n'  # test_leaks imports its loopback server from there
         f"only_mutate = [{only}]\n"
-        # a fixed order (each test must pass alone anyway); no cache written into the copy
-        # pytest's unraisable- and thread-exception plugins collect the garbage twice at each session's
-        # end: half of each mutant's 0.11 s (under mutation, test_gathering's one test that turns their
-        # warning into an error cannot see it)
-        'pytest_add_cli_args = ["-p", "no:randomly", "-p", "no:cacheprovider",'
-        ' "-p", "no:unraisableexception", "-p", "no:threadexception", "-m", "not slow"]\n'
+        f"pytest_add_cli_args = {json.dumps(list(PYTEST_ARGS))}\n"
         f"pytest_add_cli_args_test_selection = [{tests}]\n"
         # a mutant that hangs is killed (a timeout) at 4 times its tests' time plus 8 s, not 15 times plus
         # 15 s: a hang in the pacing tests held one of the two cores for 6 minutes
@@ -289,7 +292,7 @@ def mutmut_with_tests_by_module() -> None:
         def collected_then_start() -> None:
             # after mutmut's own runs of pytest (its stats, the forced failure), before the first fork
             try:
-                prepared = PreparedTests([t for files in files_by_module.values() for t in files])
+                prepared = PreparedTests(tests_of([m.removeprefix("otel_session.") for m in files_by_module]))
             except Exception as exc:  # each child then runs a pytest.main of its own, as mutmut does
                 print(f"the tests could not be collected once ({exc!r}): each mutant collects its own")
                 start()
@@ -346,9 +349,7 @@ class PreparedTests:
         from _pytest.main import Session
 
         self.failed = False
-        args = ["--rootdir=.", "--tb=native", "-qq", "-p", "no:randomly", "-p", "no:cacheprovider",
-                "-p", "no:unraisableexception", "-p", "no:threadexception", "-m", "not slow",
-                *dict.fromkeys(files)]  # fmt: skip
+        args = ["--rootdir=.", "--tb=native", "-qq", *PYTEST_ARGS, *files]  # as mutmut runs pytest
         old = os.getcwd()
         os.chdir("mutants")
         try:
