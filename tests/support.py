@@ -10,7 +10,9 @@
   wire what a driver process sent and which worker served it (``Forwarded``, one per request). The
   end-to-end tests of NeMo-RL and verifiers read what they need from the recorded bodies themselves;
 - ``run_zero_code``: runs such a test's driver (no otel-session code in it) under
-  ``opentelemetry-instrument``, configured by environment variables only, and reads back its report.
+  ``opentelemetry-instrument``, configured by environment variables only, and reads back its report;
+- ``chat(prompt)``: a chat completion's request body of one user message, as the client hooks'
+  tests send it (the prompt a group is read from).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from tests.gym_servers import ROOT, AiohttpServer
 
 if TYPE_CHECKING:
     from tests.routers import Backend
+
+
+def chat(prompt: str) -> dict[str, Any]:
+    """A chat completion's request body: model ``m``, one user message ``prompt``."""
+    return {"model": "m", "messages": [{"role": "user", "content": prompt}]}
+
 
 _HOP = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 

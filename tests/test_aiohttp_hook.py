@@ -39,6 +39,7 @@ from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _evidence, _faul
 from otel_session._context import HOP_KEY
 from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import aiohttp_client as hook
+from tests import support
 from tests.proxy import RecordingProxy
 from tests.recorder import Recorder
 from tests.test_metrics_rules import Recording
@@ -187,10 +188,6 @@ def test_instrumenting_finds_aiohttps_bytes_payloads(monkeypatch: pytest.MonkeyP
 # --- end to end -----------------------------------------------------------------------------------
 
 
-def _chat(prompt: str) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": prompt}]}
-
-
 async def test_a_send_to_the_router_carries_the_session_and_the_request_keeps_none_after(
     router: Recorder,
 ) -> None:
@@ -292,9 +289,9 @@ async def test_usage_read_with_json_inside_a_trajectory_is_a_turn(
     try:
         async with aiohttp.ClientSession() as http:
             with otel_session.trajectory():
-                async with http.post(f"{router.url}/v1/chat/completions", json=_chat("p")) as reply:
+                async with http.post(f"{router.url}/v1/chat/completions", json=support.chat("p")) as reply:
                     body = await reply.json()
-            async with http.post(f"{router.url}/v1/chat/completions", json=_chat("p")) as reply:
+            async with http.post(f"{router.url}/v1/chat/completions", json=support.chat("p")) as reply:
                 assert await reply.json() == body  # outside: the body as it is, no turn
     finally:
         _evidence.forget()
@@ -333,7 +330,7 @@ async def test_a_whole_body_decides_the_attempts_group_and_a_streamed_one_does_n
         for body in ("json", "bytes", "text", "stream"):
             with otel_session.trajectory():
                 if body == "json":
-                    sent = http.post(f"{router.url}/v1/chat/completions", json=_chat("p"))
+                    sent = http.post(f"{router.url}/v1/chat/completions", json=support.chat("p"))
                 elif body == "bytes":
                     sent = http.post(f"{router.url}/v1/chat/completions", data=b'{"messages": [1]}')
                 elif body == "text":
@@ -644,7 +641,7 @@ async def test_a_fault_of_ours_after_the_copy_is_made_puts_the_callers_headers_b
 def test_an_attempts_group_is_decided_from_a_body_held_as_bytes(router: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[router.authority], siblings="prompt")
     destination = ("http", "127.0.0.1", router.port)
-    body = json.dumps(_chat("p")).encode()
+    body = json.dumps(support.chat("p")).encode()
     with otel_session.trajectory():
         offered = _hop.current()
         assert offered is not None
@@ -693,10 +690,10 @@ async def test_usage_read_twice_from_one_response_is_one_turn_and_json_elsewhere
     try:
         async with aiohttp.ClientSession() as http:
             with otel_session.trajectory():
-                async with http.post(f"{router.url}/v1/chat/completions", json=_chat("p")) as reply:
+                async with http.post(f"{router.url}/v1/chat/completions", json=support.chat("p")) as reply:
                     await reply.json()
                     await reply.json()
-            async with http.post(f"{router.url}/v1/chat/completions", json=_chat("p")) as reply:
+            async with http.post(f"{router.url}/v1/chat/completions", json=support.chat("p")) as reply:
                 reading = reply.json()
                 assert reading.__qualname__ == "ClientResponse.json"
                 await reading
@@ -737,7 +734,7 @@ async def test_a_request_to_another_host_first_leaves_the_group_to_the_routers_r
             async with http.post(f"{server.url}/tool", json={"a": 1}) as reply:
                 assert reply.status == 200
             async with http.post(
-                f"http://localhost:{server.port}/v1/chat/completions", json=_chat("p")
+                f"http://localhost:{server.port}/v1/chat/completions", json=support.chat("p")
             ) as reply:
                 assert reply.status == 200
     tool, chat = server.requests
@@ -797,8 +794,8 @@ async def test_a_request_to_gather_names_its_router_and_its_body_held_in_memory(
     here = ("http", "127.0.0.1", router.port)
     async with aiohttp.ClientSession() as http, aiohttp.ClientSession(base_url=router.url) as based:
         with otel_session.trajectory():
-            named = hook._to_gather(http, ("POST",), {"str_or_url": url, "json": _chat("p")})
-            assert named is not None and named[2] == here and json.loads(named[1] or "") == _chat("p")
+            named = hook._to_gather(http, ("POST",), {"str_or_url": url, "json": support.chat("p")})
+            assert named is not None and named[2] == here and json.loads(named[1] or "") == support.chat("p")
             assert hook._to_gather(http, ("POST", url), {"data": b"x"})[1:] == (b"x", here)  # type: ignore[index]
             assert hook._to_gather(http, ("POST", url), {"data": "x"})[1:] == ("x", here)  # type: ignore[index]
             assert hook._to_gather(based, ("POST", path), {"data": b"x"})[1:] == (b"x", here)  # type: ignore[index]
@@ -818,8 +815,8 @@ async def test_a_hook_left_in_place_but_not_instrumented_never_holds_a_request(
     args = ("POST", f"{router.url}/v1/chat/completions")
     async with aiohttp.ClientSession() as http:
         with otel_session.trajectory():
-            held = hook._request(lambda *a, **k: sent, http, args, {"json": _chat("p")})
+            held = hook._request(lambda *a, **k: sent, http, args, {"json": support.chat("p")})
             assert inspect.iscoroutine(held)
             held.close()
             monkeypatch.setattr(hook._INSTRUMENTOR, "active", False)
-            assert hook._request(lambda *a, **k: sent, http, args, {"json": _chat("p")}) is sent
+            assert hook._request(lambda *a, **k: sent, http, args, {"json": support.chat("p")}) is sent

@@ -30,6 +30,7 @@ import otel_session
 from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _evidence, _faults, _hop, _metrics
 from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import httpx as hook
+from tests import support
 from tests.recorder import Recorder
 from tests.test_metrics_rules import Recording
 
@@ -341,10 +342,6 @@ def test_a_copy_in_flight_is_ours_only_while_it_is_the_same_object() -> None:
 # --- end to end: httpx's own transport ----------------------------------------------------------
 
 
-def _chat(prompt: str) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "user", "content": prompt}]}
-
-
 def test_a_hop_to_the_router_carries_the_session_and_the_callers_request_stays_as_it_was(
     router: Recorder,
 ) -> None:
@@ -469,7 +466,7 @@ def test_a_response_without_a_status_costs_the_evidence_and_one_report(reports: 
 
 def test_a_streamed_body_is_sent_untouched_and_names_no_group(router: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[router.authority], siblings="prompt")
-    body = json.dumps(_chat("same")).encode()
+    body = json.dumps(support.chat("same")).encode()
 
     def chunks() -> Iterator[bytes]:
         yield body[:5]
@@ -918,7 +915,7 @@ def test_a_stock_propagator_injecting_on_the_way_is_taken_back_at_the_router(rou
 def test_a_transport_answering_itself_decides_the_attempts_group_from_its_body(server: Recorder) -> None:
     otel_session.configure(dynamo_hosts=[server.authority], siblings="prompt")
     with otel_session.trajectory() as traj, httpx.Client(transport=Echo()) as client:
-        seen = dict(_echoed(client.post(f"{server.url}/v1/chat/completions", json=_chat("p"))))
+        seen = dict(_echoed(client.post(f"{server.url}/v1/chat/completions", json=support.chat("p"))))
     assert seen["x-dynamo-session-id"] == traj.session_id
     assert seen["x-dynamo-parent-session-id"] == traj.parent_session_id is not None
 
@@ -1052,7 +1049,7 @@ def test_siblings_open_at_once_are_grouped_by_their_prompt_through_any_transport
     def attempt(prompt: str) -> None:
         with otel_session.trajectory(), httpx.Client(transport=Forward() if wrapped else None) as client:
             together.wait(5)
-            client.post(f"{router.url}/{prompt}/v1/chat/completions", json=_chat(prompt))
+            client.post(f"{router.url}/{prompt}/v1/chat/completions", json=support.chat(prompt))
             together.wait(5)  # all open until all have sent
 
     threads = [threading.Thread(target=attempt, args=(prompt,)) for prompt in ("p", "p", "q")]
@@ -1071,7 +1068,7 @@ def _step_in_threads(router: Recorder, prompts: tuple[str, ...]) -> None:
     def attempt(prompt: str) -> None:
         with otel_session.trajectory(), httpx.Client(transport=Forward()) as client:
             together.wait(5)
-            client.post(f"{router.url}/{prompt}/v1/chat/completions", json=_chat(prompt))
+            client.post(f"{router.url}/{prompt}/v1/chat/completions", json=support.chat(prompt))
             together.wait(5)
 
     threads = [threading.Thread(target=attempt, args=(prompt,)) for prompt in prompts]
@@ -1088,7 +1085,7 @@ def _step_in_tasks(router: Recorder, prompts: tuple[str, ...]) -> None:
         url = f"{router.url}/{prompt}/v1/chat/completions"
         with otel_session.trajectory():
             async with httpx.AsyncClient(transport=AsyncForward()) as client:
-                await client.post(url, json=_chat(prompt))
+                await client.post(url, json=support.chat(prompt))
 
     async def step() -> None:
         await asyncio.gather(*(attempt(prompt) for prompt in prompts))
@@ -1161,7 +1158,9 @@ def test_a_first_step_answered_by_an_async_transport_of_another_class_gathers_th
     async def attempt(prompt: str) -> None:
         with otel_session.trajectory():
             async with httpx.AsyncClient(transport=AsyncEcho()) as client:
-                answer = await client.post(f"{router.url}/{prompt}/v1/chat/completions", json=_chat(prompt))
+                answer = await client.post(
+                    f"{router.url}/{prompt}/v1/chat/completions", json=support.chat(prompt)
+                )
                 echoed.setdefault(prompt, []).append(dict(_echoed(answer)))
 
     async def step() -> None:
@@ -1199,7 +1198,7 @@ def test_a_blocking_client_on_a_loops_thread_reads_the_group_from_the_body(
                 context.run(trajectory.__enter__)
             for context, _, prompt in attempts:
                 url = f"{router.url}/{prompt}/v1/chat/completions"
-                context.run(client.post, url, json=_chat(prompt))
+                context.run(client.post, url, json=support.chat(prompt))
             for context, trajectory, _ in attempts:
                 context.run(trajectory.__exit__, None, None, None)
 

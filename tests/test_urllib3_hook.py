@@ -28,6 +28,7 @@ import otel_session
 from otel_session import PARENT_SESSION_HEADER, _evidence, _faults, _hop, _metrics
 from otel_session._propagator import SessionPropagator
 from otel_session.instrumentation import urllib3_client as hook
+from tests import support
 from tests.proxy import RecordingProxy
 from tests.recorder import PATIENCE, Recorder
 from tests.test_metrics_rules import Recording
@@ -416,7 +417,7 @@ def test_our_values_a_stock_propagator_copied_into_requests_headers_are_taken_ba
 
 
 def _chat_body(prompt: str) -> bytes:
-    return json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
+    return json.dumps(support.chat(prompt)).encode()
 
 
 def _threads_step(
