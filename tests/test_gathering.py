@@ -379,17 +379,23 @@ def test_a_thousand_attempts_on_one_loop_share_one_look(
     assert _gathering._looks == {}
 
 
+def _lookers(monkeypatch: pytest.MonkeyPatch) -> list[asyncio.Task[Any] | None]:
+    """The task that took each glance of a look on an event loop (``_Look.again``), in order."""
+    lookers: list[asyncio.Task[Any] | None] = []
+    again = _gathering._Look.again
+    monkeypatch.setattr(
+        _gathering._Look, "again", lambda self: lookers.append(asyncio.current_task()) or again(self)
+    )
+    return lookers
+
+
 def test_attempts_asleep_on_a_look_wake_as_it_ends_not_at_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """Five attempts of a step on one loop share one look; the fleet's size is known, so the look ends
     at its second glance, and the four asleep on it go on then (its bound, a minute here, is only
     for a looker that never wakes them)."""
     monkeypatch.setattr(_gathering, "WAIT", 60.0)
     monkeypatch.setattr(_gathering._fleet, "size_at", lambda origin, tell=True: 4)
-    lookers: list[asyncio.Task[Any] | None] = []
-    again = _gathering._Look.again
-    monkeypatch.setattr(
-        _gathering._Look, "again", lambda self: lookers.append(asyncio.current_task()) or again(self)
-    )
+    lookers = _lookers(monkeypatch)
 
     async def attempt() -> _gathering._Look:
         look = _gathering._shared(("http", "127.0.0.1", 9))
@@ -468,11 +474,7 @@ def test_a_looker_cancelled_hands_the_look_on(dynamo: Recorder, monkeypatch: pyt
     it would have been (4 prompts x 4 on 4 workers: K = 4)."""
     dynamo.instances = 4
     dynamo.health_delay = 0.2
-    lookers: list[asyncio.Task[Any] | None] = []
-    again = _gathering._Look.again
-    monkeypatch.setattr(
-        _gathering._Look, "again", lambda self: lookers.append(asyncio.current_task()) or again(self)
-    )
+    lookers = _lookers(monkeypatch)
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="auto")
 
     async def attempt(http: httpx.AsyncClient, prompt: int, sibling: int) -> None:
