@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import otel_session
-from tests.recorder import Recorder
+from tests.recorder import PATIENCE, Recorder
 
 # The real local Dynamo stacks: dynamo_stack, dynamo_stack_generate, dynamo_stack_no_affinity, and
 # local_dynamo_factory for others; rl_venv, for the RL frameworks' venv.
@@ -31,6 +32,14 @@ SLOW_MODULES = frozenset(
 SLOW_FIXTURES = frozenset(
     {"dynamo_stack", "dynamo_stack_generate", "dynamo_stack_no_affinity", "local_dynamo_factory"}
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not 0 < PATIENCE < math.inf:
+        raise pytest.UsageError(
+            f"TEST_PATIENCE={os.environ.get('TEST_PATIENCE')!r}: the seconds a test waits for what a peer "
+            "does in ms; give a positive number such as 10"
+        )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
