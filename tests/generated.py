@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 _COMMON = {
     "deadline": None,
@@ -19,8 +19,15 @@ _PROFILES = {
     "dev": settings(max_examples=300, **_COMMON),  # type: ignore[arg-type]
     "ci": settings(max_examples=800, derandomize=True, **_COMMON),  # type: ignore[arg-type]
     "deep": settings(max_examples=10_000, **_COMMON),  # type: ignore[arg-type]
-    # scripts/mutate: the same few hundred cases for every mutant, so a verdict never hinges on the draw
-    "mutation": settings(max_examples=300, derandomize=True, **_COMMON),  # type: ignore[arg-type]
+    # scripts/mutate: the same few hundred cases for every mutant, so a verdict never hinges on the draw,
+    # and no shrinking: the first failing case kills the mutant (shrinking it cost a second a kill)
+    "mutation": settings(
+        max_examples=300,
+        derandomize=True,
+        phases=(Phase.explicit, Phase.generate),
+        report_multiple_bugs=False,
+        **_COMMON,  # type: ignore[arg-type]
+    ),
 }
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") == "true" else "dev")
 if PROFILE not in _PROFILES:
