@@ -14,6 +14,7 @@ non-equivalent mutants is below ``--threshold``, or when a mutant listed as equi
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -22,12 +23,16 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "mutation"
 EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.txt"
+KILLERS = WORK / "killers"  # per mutated function, the tests that killed its mutants, in order
+PHASES = WORK / "phases.txt"  # how long the traced run and the collection took
+RUNS = WORK / "runs.jsonl"  # each mutant's child: the tests it ran, the one that failed, their seconds
 # The first five: the rules of what a request may carry, pinned by these fast test files together.
 _RULES_TESTS = (
     "tests/test_policy.py",
@@ -159,7 +164,7 @@ def mutmut_config(modules: list[str]) -> str:
 def prepare(modules: list[str]) -> None:
     """A fresh copy of the package and its tests, with mutmut's configuration added."""
     shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
+    KILLERS.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
     for name in COPIED:
         source = ROOT / name
@@ -266,6 +271,7 @@ def mutmut_with_tests_by_module() -> None:
     tests only.
     """
     import mutmut.__main__ as mutmut_main
+    from mutmut.mutation.trampoline import set_mutant_under_test
     from mutmut.state import state
 
     files_by_module: dict[str, list[str]] = json.loads(os.environ["MUTATE_TESTS"])
@@ -285,28 +291,63 @@ def mutmut_with_tests_by_module() -> None:
     make_runner = mutmut_main.get_mutant_runner  # type: ignore[attr-defined]
 
     def runner_without_clean_run(*args: object, **kwargs: object) -> object:
-        runner = make_runner(*args, **kwargs)  # type: ignore[arg-type]
-        runner.run_clean_tests = lambda tests: 0  # type: ignore[method-assign]
+        runner: Any = make_runner(*args, **kwargs)  # type: ignore[arg-type]  # mutmut's ForkRunner
+        runner.run_clean_tests = lambda tests: 0
         start = runner.startup
+
+        prepared: list[PreparedTests | None] = [None]
+        traced = [0.0]  # the traced run's seconds, for the log
+
+        def collect_once() -> None:
+            began = time.monotonic()
+            try:
+                prepared[0] = PreparedTests(
+                    tests_of([m.removeprefix("otel_session.") for m in files_by_module])
+                )
+            except Exception as exc:  # each child then runs a pytest.main of its own, as mutmut does
+                print(f"the tests could not be collected once ({exc!r}): each mutant collects its own")
+                return
+            took = time.monotonic() - began  # for the summary (mutmut captures what is printed here)
+            PHASES.write_text(
+                f"traced in {traced[0]:.0f} s, collected once in {took:.1f} s", encoding="utf-8"
+            )
 
         def collected_then_start() -> None:
             # after mutmut's own runs of pytest (its stats, the forced failure), before the first fork
-            try:
-                prepared = PreparedTests(tests_of([m.removeprefix("otel_session.") for m in files_by_module]))
-            except Exception as exc:  # each child then runs a pytest.main of its own, as mutmut does
-                print(f"the tests could not be collected once ({exc!r}): each mutant collects its own")
-                start()
-                return
-            run_tests = runner.test_runner.run_tests
+            if prepared[0] is None:
+                collect_once()
+            held = prepared[0]
+            if held is not None:
+                run_tests = runner.test_runner.run_tests
 
-            def run_prepared(*, mutant_name: str | None, tests: Any) -> int:
-                found = prepared.run(list(tests)) if mutant_name else None
-                return run_tests(mutant_name=mutant_name, tests=tests) if found is None else found
+                def run_prepared(*, mutant_name: str | None, tests: Any) -> int:
+                    found = held.run(mutant_name, list(tests)) if mutant_name else None
+                    return run_tests(mutant_name=mutant_name, tests=tests) if found is None else found
 
-            runner.test_runner.run_tests = run_prepared
+                runner.test_runner.run_tests = run_prepared
             start()
 
-        runner.startup = collected_then_start  # type: ignore[method-assign]
+        runner.startup = collected_then_start
+        collect_stats = runner.collect_stats
+
+        def stats_side_by_side(tests: Any) -> int:
+            # mutmut traces every test file in one child before the first mutant (2.5 minutes of a
+            # whole run): here its jobs take the files from one queue, a pytest run per file each
+            if tests:  # an incremental run of named tests: as mutmut does it
+                return int(collect_stats(tests))
+            files = tests_of([m.removeprefix("otel_session.") for m in files_by_module])
+            began = time.monotonic()
+            code = traced_side_by_side(runner, files, runner.max_workers)
+            traced[0] = time.monotonic() - began
+            # collected here, under no mutant: the forced-failure run next imports every test module
+            # where none was imported yet, and under it a module whose import calls our code fails
+            # (its tests were then missing from the held session: each urllib3 mutant collected its own)
+            set_mutant_under_test("")
+            collect_once()
+            set_mutant_under_test("stats")
+            return code
+
+        runner.collect_stats = stats_side_by_side
         submit = runner.submit
 
         def quickest_first(name: str, tests: list[str], cpu_time_limit: int, estimated_time: float) -> None:
@@ -316,7 +357,7 @@ def mutmut_with_tests_by_module() -> None:
             quickest = sorted(tests, key=lambda test: (durations.get(test, 0.0), test))
             submit(name, quickest, cpu_time_limit, estimated_time)
 
-        runner.submit = quickest_first  # type: ignore[method-assign, assignment]
+        runner.submit = quickest_first
         return runner
 
     mutmut_main.get_mutant_runner = runner_without_clean_run  # type: ignore[attr-defined, assignment]
@@ -333,6 +374,71 @@ def mutmut_with_tests_by_module() -> None:
         mutmut_main.collect_source_file_mutation_data = collect_data_without_equivalents
     sys.argv = ["mutmut", *sys.argv[2:]]
     mutmut_main.cli()
+
+
+def traced_side_by_side(runner: Any, files: list[str], jobs: int) -> int:
+    """mutmut's traced run of ``files`` in ``jobs`` forked children at once, their findings merged
+    into mutmut's state: each takes the next file (the largest first) from a queue of indices in a
+    pipe (4-byte reads, each whole) and traces it in a pytest run of its own. mutmut's process
+    traces the smallest file itself, as its ForkRunner would all of them: its forced-failure run
+    next needs the conftest imported under no mutant, and a process that ran every test forks each
+    mutant's child from twice the memory. Nonzero where a file's tests fail (5, a file whose tests
+    are all deselected, is no failure)."""
+    from mutmut.models.results import StatsResult
+    from mutmut.state import state
+
+    order = sorted(range(len(files)), key=lambda n: -(ROOT / files[n]).stat().st_size)
+    queue, feed = os.pipe()
+    os.write(feed, b"".join(n.to_bytes(4, "big") for n in order[:-1]))  # a few hundred bytes: fits
+    os.close(feed)
+
+    def trace(file: str) -> int:
+        ran = runner.test_runner.run_stats(tests=[file])
+        return 0 if ran == 5 else int(ran)
+
+    def drain() -> int:
+        code = 0
+        while taken := os.read(queue, 4):
+            code = max(code, trace(files[int.from_bytes(taken, "big")]))
+        return code
+
+    children: list[tuple[int, Path]] = []
+    for job in range(max(1, min(jobs, len(files) - 1))):
+        out = WORK / f"stats-{job}.json"
+        pid = os.fork()
+        if pid == 0:  # before mutmut's process imports pytest: a clean fork
+            code = 1
+            try:
+                code = drain()
+                found = state()
+                result = StatsResult(
+                    exit_code=code,
+                    tests_by_mangled_function_name=dict(found.tests_by_mangled_function_name),
+                    duration_by_test=dict(found.duration_by_test),
+                    stats_time=0.0,
+                    function_dependencies=dict(found.function_dependencies),
+                )
+                out.write_text(json.dumps(result.to_dict()), encoding="utf-8")
+            except BaseException:  # said in mutmut's log, which shows it as the stats' failure
+                os.write(2, traceback.format_exc().encode())
+                code = 1
+            finally:
+                os._exit(code)
+        children.append((pid, out))
+    os.close(queue)
+    code = trace(files[order[-1]])
+    for pid, out in children:
+        exited = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if exited != 0 or not out.exists():
+            code = max(code, exited, 1)
+            continue
+        result = StatsResult.from_dict(json.loads(out.read_text(encoding="utf-8")))
+        for function, tests in result.tests_by_mangled_function_name.items():
+            state().tests_by_mangled_function_name[function] |= tests
+        state().duration_by_test.update(result.duration_by_test)
+        for function, callers in result.function_dependencies.items():
+            state().function_dependencies[function] |= callers
+    return code
 
 
 class PreparedTests:
@@ -368,23 +474,60 @@ class PreparedTests:
     def pytest_runtest_logreport(self, report: Any) -> None:
         self.failed = self.failed or bool(report.failed)
 
-    def run(self, tests: list[str]) -> int | None:
-        """1 at the first test that fails, else 0; ``None`` where a test was not collected here."""
-        items = [self.items.get(test) for test in tests]
-        if not items or None in items:
+    def run(self, mutant: str, tests: list[str]) -> int | None:
+        """1 at the first test that fails, else 0; ``None`` where a test was not collected here. What
+        it cost goes to ``RUNS`` (the summary's costliest functions)."""
+        found = [self.items.get(test) for test in tests]
+        items = [item for item in found if item is not None]
+        if not items or len(items) < len(found):
             return None
+        function = mutant.partition("__mutmut_")[0]
+        killers = KILLERS / function
+        items = killers_first(items, killers)
         os.chdir("mutants")
         quiet = os.open(os.devnull, os.O_WRONLY)  # pytest's reporter writes to the parent's log
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)
+        began = last = time.monotonic()
+        ran, code = 0, 0
         try:
             for item, following in zip(items, [*items[1:], None], strict=True):
+                last, ran = time.monotonic(), ran + 1
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=following)
                 if self.failed:
-                    return 1
+                    code = 1
+                    break
         except BaseException:  # what pytest lets out of a test (KeyboardInterrupt, pytest.exit) must
-            return 1  # not leave this function: the child would go on running mutmut's loop
-        return 0
+            code = 1  # not leave this function: the child would go on running mutmut's loop
+        ended = time.monotonic()
+        record = dict(mutant=mutant, ran=ran, of=len(items), killer=items[ran - 1].nodeid if code else None)
+        record.update(before=round(last - began, 4), last=round(ended - last, 4))
+        with open(RUNS, "a", encoding="utf-8") as out:  # one line a mutant, appended whole
+            out.write(json.dumps(record) + "\n")
+        if code and ran:
+            with open(killers, "a", encoding="utf-8") as out:
+                out.write(items[ran - 1].nodeid + "\n")
+        return code
+
+
+def killers_first(items: list[Any], killers: Path) -> list[Any]:
+    """``items`` by their expected cost to kill the mutant: a test's time over the share of this
+    function's earlier mutants it killed (a tenth of one for a test that killed none). A mutant of a
+    function most tests call is mostly killed by the few tests that pin what it changed, which
+    quickest-first runs after every quicker test that calls it; a slow killer is still tried after
+    a quick test that may kill."""
+    from mutmut.state import state
+
+    try:
+        named = collections.Counter(killers.read_text(encoding="utf-8").split())
+    except FileNotFoundError:
+        return items
+    durations, seen = state().duration_by_test, sum(named.values())
+
+    def cost(item: Any) -> float:
+        return (durations.get(item.nodeid, 0.0) + 0.001) * (seen + 1) / (named[item.nodeid] + 0.1)
+
+    return sorted(items, key=cost)
 
 
 @functools.cache
@@ -492,6 +635,7 @@ def main() -> int:
         f"\n{len(chosen)} mutants in {took:.0f} s with {args.jobs} at once "
         f"(load average before the summary: {os.getloadavg()[0]:.1f})"
     )
+    print(where_the_time_went(chosen, status))
     if wrongly_listed:
         print(
             f"FAIL: {len(wrongly_listed)} mutant(s) listed as equivalent were killed: fix {EQUIVALENTS.name}"
@@ -502,6 +646,20 @@ def main() -> int:
         return 1
     print(f"OK: {rate:.1f} % of the non-equivalent mutants killed (threshold {args.threshold:.1f} %)")
     return 0
+
+
+def where_the_time_went(chosen: list[str], status: dict[str, str]) -> str:
+    """The run's phases (``PHASES``), the mutants' time in their tests, and how many mutants
+    ran a pytest of their own (their tests not all in the session held open: each costs 0.5 s)."""
+    phases = PHASES.read_text(encoding="utf-8") if PHASES.exists() else "tests collected by each mutant"
+    lines = RUNS.read_text(encoding="utf-8").splitlines() if RUNS.exists() else []
+    records = [json.loads(line) for line in lines]
+    seen = {record["mutant"] for record in records}
+    ran = [n for n in chosen if status[n] in ("killed", "survived") and listed_key(n) is None]
+    alone = [n for n in ran if n not in seen]
+    spent = sum(record["before"] + record["last"] for record in records)
+    said = f"{phases}; {len(records)} mutants' tests took {spent:.0f} s"
+    return said + (f"; {len(alone)} ran a pytest of their own (e.g. {alone[0]})" if alone else "")
 
 
 def sample(names: list[str], size: int, seed: int) -> list[str]:
