@@ -382,8 +382,8 @@ def traced_side_by_side(runner: Any, files: list[str], jobs: int) -> int:
     pipe (4-byte reads, each whole) and traces it in a pytest run of its own. mutmut's process
     traces the smallest file itself, as its ForkRunner would all of them: its forced-failure run
     next needs the conftest imported under no mutant, and a process that ran every test forks each
-    mutant's child from twice the memory. Nonzero where a file's tests fail (5, a file whose tests
-    are all deselected, is no failure)."""
+    mutant's child from more memory (250 MB against 220). Nonzero where a file's tests fail (5, a
+    file whose tests are all deselected, is no failure)."""
     from mutmut.models.results import StatsResult
     from mutmut.state import state
 
@@ -408,6 +408,7 @@ def traced_side_by_side(runner: Any, files: list[str], jobs: int) -> int:
         pid = os.fork()
         if pid == 0:  # before mutmut's process imports pytest: a clean fork
             code = 1
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # a failing test's report in the log
             try:
                 code = drain()
                 found = state()
@@ -476,7 +477,7 @@ class PreparedTests:
 
     def run(self, mutant: str, tests: list[str]) -> int | None:
         """1 at the first test that fails, else 0; ``None`` where a test was not collected here. What
-        it cost goes to ``RUNS`` (the summary's costliest functions)."""
+        it cost goes to ``RUNS``, the test that failed to ``KILLERS`` (the next mutants' order)."""
         found = [self.items.get(test) for test in tests]
         items = [item for item in found if item is not None]
         if not items or len(items) < len(found):
