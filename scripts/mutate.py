@@ -574,7 +574,12 @@ def main() -> int:
         action="store_true",
         help="run the mutants listed as equivalent too, and fail if a test kills one (the list is wrong)",
     )
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="mutants run at once")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=2 * (os.cpu_count() or 1),  # many mutants' tests wait in real time: two a core
+        help="mutants run at once (default: two per core)",
+    )
     parser.add_argument(
         "--module",
         action="append",
