@@ -520,7 +520,7 @@ def killers_first(items: list[Any], killers: Path) -> list[Any]:
     from mutmut.state import state
 
     try:
-        named = collections.Counter(killers.read_text(encoding="utf-8").split())
+        named = collections.Counter(killers.read_text(encoding="utf-8").splitlines())
     except FileNotFoundError:
         return items
     durations, seen = state().duration_by_test, sum(named.values())
