@@ -295,15 +295,14 @@ def mutmut_with_tests_by_module() -> None:
         runner.run_clean_tests = lambda tests: 0
         start = runner.startup
 
+        files = tests_of([m.removeprefix("otel_session.") for m in files_by_module])
         prepared: list[PreparedTests | None] = [None]
         traced = [0.0]  # the traced run's seconds, for the log
 
         def collect_once() -> None:
             began = time.monotonic()
             try:
-                prepared[0] = PreparedTests(
-                    tests_of([m.removeprefix("otel_session.") for m in files_by_module])
-                )
+                prepared[0] = PreparedTests(files)
             except Exception as exc:  # each child then runs a pytest.main of its own, as mutmut does
                 print(f"the tests could not be collected once ({exc!r}): each mutant collects its own")
                 return
@@ -335,7 +334,6 @@ def mutmut_with_tests_by_module() -> None:
             # whole run): here its jobs take the files from one queue, a pytest run per file each
             if tests:  # an incremental run of named tests: as mutmut does it
                 return int(collect_stats(tests))
-            files = tests_of([m.removeprefix("otel_session.") for m in files_by_module])
             began = time.monotonic()
             code = traced_side_by_side(runner, files, runner.max_workers)
             traced[0] = time.monotonic() - began

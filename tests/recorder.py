@@ -23,11 +23,10 @@ from starlette.routing import Route
 
 from tests.loopback import AsgiServer, Served
 
+
 # Seconds a test waits for what a loopback peer or a background thread does within milliseconds: ample
 # on a loaded CI machine. The mutation run sets TEST_PATIENCE lower (scripts/mutate.py), so a mutant
 # that stops it from happening is killed in that time rather than in ten seconds.
-
-
 def _patience() -> float:
     """TEST_PATIENCE's seconds; NaN where it is not a number (conftest's ``pytest_configure`` refuses
     the run with one line: a traceback while loading the conftest would be all the user saw)."""
