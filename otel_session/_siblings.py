@@ -19,7 +19,6 @@ attempt, read under one lock.)
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -90,16 +89,17 @@ DEFAULT = Siblings(AUTO)
 
 
 class GroupKey:
-    """A group key as its group's first attempt joined: its hash taken once, so every attempt leaves
-    the group by that hash and by identity, running the key's own code again only against another
-    group's key on the same hash (a key the application changes while the attempt runs, or whose
-    ``__hash__`` raises later, would otherwise stay in ``_groups`` for good)."""
+    """A group key as its group's first attempt joined: its hash taken once, so its attempts find the
+    group again (``_own``) by that hash and by identity, never running the key's own code again (a
+    key the application changes while the attempt runs, or whose ``__hash__`` or ``__eq__`` raises
+    later, would otherwise stay in ``_groups`` for good)."""
 
-    __slots__ = ("hash", "key", "placed", "size", "sized")
+    __slots__ = ("alone", "hash", "key", "placed", "size", "sized")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
         self.hash = hash(key)
+        self.alone = False  # equal to itself alone, while its own group is looked up (``_own``)
         self.placed = False  # K chosen (by the group's first attempt to be placed)
         self.size: int | None = None  # the K its group was given (``None``: the session withheld)
         self.sized = False  # ... chosen from the fleet's size and a step's shape
@@ -108,7 +108,9 @@ class GroupKey:
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, GroupKey) and (other.key is self.key or bool(other.key == self.key))
+        if not isinstance(other, GroupKey) or self.alone or other.alone:
+            return other is self
+        return other.key is self.key or bool(other.key == self.key)
 
 
 class _Group:
@@ -368,8 +370,8 @@ def place(
         size = ticket.size  # siblings per parent (0: all; None: the session withheld, ``fleet``)
         if size is None:
             return WITHHELD
-        group = _groups.get(ticket)
-        if group is None or group.key is not ticket or (size == 1 and policy.sized):
+        group = _own(ticket)
+        if group is None or (size == 1 and policy.sized):
             return None  # forgotten (a fork, or the attempt ended first), or each sibling alone
         sub = index // size if size else 0
         while len(group.parents) <= sub:
@@ -379,14 +381,24 @@ def place(
 
 def leave(ticket: GroupKey) -> None:
     """One attempt ended (``ticket``: what its ``join`` returned); the last one open forgets the group."""
-    with _lock, contextlib.suppress(Exception):  # a key's own __eq__ runs only on a shared hash
-        group = _groups.get(ticket)
-        if group is not None and group.key is ticket:
+    with _lock:
+        group = _own(ticket)
+        if group is not None:
             group.open -= 1
             if group.open <= 0:
-                del _groups[ticket]
+                _own(ticket, forget=True)
                 _shape.ended(group.started, len(_groups))
                 _pacing.release(group.parents)  # their turns at the router are over
+
+
+def _own(ticket: GroupKey, forget: bool = False) -> _Group | None:
+    """``ticket``'s own group (``forget``: taken out of the table, where it is), found by identity
+    alone, holding ``_lock``: the key's own code does not run again once its attempt has joined."""
+    ticket.alone = True
+    try:
+        return _groups.pop(ticket) if forget else _groups.get(ticket)
+    finally:
+        ticket.alone = False
 
 
 class Inferred:

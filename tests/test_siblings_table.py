@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from otel_session import _faults, _pacing, _siblings
-from otel_session._siblings import GroupKey, Inferred, Siblings, join, leave, open_groups
+from otel_session._siblings import GroupKey, Inferred, Siblings, join, leave, open_groups, place
 
 
 @pytest.fixture(autouse=True)
@@ -163,7 +163,9 @@ def test_a_forked_child_starts_with_an_empty_table_and_fresh_locks() -> None:
         try:
             os.close(read_end)
             fresh = _siblings._lock.acquire(blocking=False) and _siblings._decide_lock.acquire(blocking=False)
-            os.write(write_end, f"{open_groups()} {fresh}".encode())
+            groups, shape = open_groups(), _siblings.shape(True)  # the child's own: the parent's gone
+            joined = join("h", Siblings(2)) is not None
+            os.write(write_end, f"{groups} {fresh} {shape} {joined}".encode())
         finally:
             os._exit(0)
     os.close(write_end)
@@ -174,7 +176,7 @@ def test_a_forked_child_starts_with_an_empty_table_and_fresh_locks() -> None:
     finally:
         os.close(read_end)
         os.waitpid(pid, 0)
-    assert said == "0 True" and open_groups() == 1
+    assert said == "0 True None True" and open_groups() == 1
 
 
 # ---- a first step gathered: enter now, K chosen at the first placement (``_gathering``) -------------
@@ -386,16 +388,21 @@ class _Breaks:
         return isinstance(other, _Breaks) and other.name == self.name
 
 
-def test_an_attempt_leaves_without_raising_though_its_keys_comparison_raises_by_then(
+def test_an_attempt_leaves_its_group_though_its_keys_comparison_raises_by_then(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two groups on one hash: leaving the second compares its key with the first's (the key's own
-    code), which now raises; the attempt's end must not (it would end the user's ``with``)."""
+    """Two groups on one hash whose keys' ``__eq__`` (the application's code) raises by the time their
+    attempts end: each attempt still finds its own group, by identity, and the last one forgets it (a
+    group left in the table would hold every later step's shape open), without raising into the
+    user's ``with``; a sibling placed by then still gets its group's parent."""
     first, second = join(_Breaks("a"), Siblings(2)), join(_Breaks("b"), Siblings(2))
-    assert first is not None and second is not None and open_groups() == 2
+    third = join(_Breaks("b"), Siblings(2))
+    assert first is not None and second is not None and third is not None and open_groups() == 2
+    assert third[1] is second[1] and third[0] == second[0]
     monkeypatch.setattr(_Breaks, "broken", True)
+    assert place(second[1], 1, Siblings(2), None) == second[0]
     leave(second[1])
+    assert open_groups() == 2  # the group's other attempt is still open
+    leave(third[1])
     leave(first[1])
-    monkeypatch.setattr(_Breaks, "broken", False)
-    leave(second[1])  # compared again, it is found and forgotten
     assert open_groups() == 0
