@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import otel_session
+from tests.generated import PROFILE, PROFILES
 from tests.recorder import PATIENCE, Recorder
 
 # The real local Dynamo stacks: dynamo_stack, dynamo_stack_generate, dynamo_stack_no_affinity, and
@@ -40,6 +41,8 @@ def pytest_configure(config: pytest.Config) -> None:
             f"TEST_PATIENCE={os.environ.get('TEST_PATIENCE')!r}: the seconds a test waits for what a peer "
             "does in ms; give a positive number such as 10"
         )
+    if PROFILE not in PROFILES:
+        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={PROFILE!r}: use one of {', '.join(PROFILES)}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
