@@ -30,9 +30,23 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "mutation"
 EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.txt"
-KILLERS = WORK / "killers"  # per mutated function, the tests that killed its mutants, in order
+# per mutated function, the tests that killed its mutants, in order, kept from run to run (the first
+# mutants of a function in a run otherwise have no killer to try first)
+KILLERS = ROOT / "build" / "mutation-killers"
+KILLERS_READ = 400  # the last lines of a function's file read: its latest runs
 PHASES = WORK / "phases.txt"  # how long the traced run and the collection took
 RUNS = WORK / "runs.jsonl"  # each mutant's child: the tests it ran, the one that failed, their seconds
+# Functions that run only in a forked child (``os.register_at_fork`` hooks): mutmut's trace, taken in
+# the tests' own process, maps no test to them, so their mutants survived untried. These tests fork,
+# and the child, which inherits the mutant's name, checks what the hook left it.
+FORK_HOOKS = {
+    "otel_session._siblings.x__forget_in_child": (
+        "tests/test_siblings_table.py::test_a_forked_child_starts_with_an_empty_table_and_fresh_locks",
+    ),
+    "otel_session._fleet.x__forget_in_child": (
+        "tests/test_fleet_size.py::test_a_child_forked_while_a_read_is_under_way_reads_the_router_itself",
+    ),
+}
 # The first five: the rules of what a request may carry, pinned by these fast test files together.
 _RULES_TESTS = (
     "tests/test_policy.py",
@@ -164,7 +178,7 @@ def mutmut_config(modules: list[str]) -> str:
 def prepare(modules: list[str]) -> None:
     """A fresh copy of the package and its tests, with mutmut's configuration added."""
     shutil.rmtree(WORK, ignore_errors=True)
-    KILLERS.mkdir(parents=True)
+    KILLERS.mkdir(parents=True, exist_ok=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
     for name in COPIED:
         source = ROOT / name
@@ -283,6 +297,9 @@ def mutmut_with_tests_by_module() -> None:
             files = files_by_module.get(function.rpartition(".")[0])
             if files is not None:
                 tests -= {t for t in tests if t.partition("::")[0] not in files}
+        for function, forking in FORK_HOOKS.items():
+            if function.rpartition(".")[0] in files_by_module:
+                state().tests_by_mangled_function_name[function].update(forking)
 
     mutmut_main.collect_or_load_stats = collect_then_keep_own
     # mutmut runs the whole test set twice before any mutant: its traced stats run (which fails the
@@ -518,7 +535,7 @@ def killers_first(items: list[Any], killers: Path) -> list[Any]:
     from mutmut.state import state
 
     try:
-        named = collections.Counter(killers.read_text(encoding="utf-8").splitlines())
+        named = collections.Counter(killers.read_text(encoding="utf-8").splitlines()[-KILLERS_READ:])
     except FileNotFoundError:
         return items
     durations, seen = state().duration_by_test, sum(named.values())

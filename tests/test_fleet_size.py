@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -22,6 +23,7 @@ import trustme
 import otel_session
 from otel_session import SESSION_HEADER, _bounded_http, _faults, _fleet
 from tests.recorder import PATIENCE, Recorder
+from tests.support import forked_while_held
 
 _START = threading.Thread.start
 
@@ -45,12 +47,17 @@ def test_workers_are_the_distinct_instances_serving_generate(health: Any, worker
     assert _fleet.workers_in(health) == workers
 
 
+def _readers() -> list[threading.Thread]:
+    """The threads reading a router's ``/health`` now."""
+    return [t for t in threading.enumerate() if t.name == "otel-session-fleet"]
+
+
 def _wait_known(origin: str, timeout: float = PATIENCE) -> Any:
     """The size read at ``origin`` once the read started before this call is over (a read under way
-    is in ``_reading`` until its size is kept): a read that keeps nothing fails at once, not after
-    PATIENCE."""
+    is in ``_reading``, its thread alive, until its size is kept): a read that keeps nothing, or
+    never started, fails at once, not after PATIENCE."""
     deadline = time.monotonic() + timeout
-    while origin not in _fleet.known() and _fleet._reading and time.monotonic() < deadline:
+    while origin not in _fleet.known() and _fleet._reading and _readers() and time.monotonic() < deadline:
         time.sleep(0.02)
     return _fleet.known().get(origin)
 
@@ -178,14 +185,11 @@ def test_no_request_waits_for_a_health_that_is_slow(dynamo: Recorder) -> None:
 
 
 def test_the_read_is_one_get_of_json_in_a_daemon_thread_of_its_own(dynamo: Recorder) -> None:
-    dynamo.instances, dynamo.health_delay = 2, 0.2  # the reader is looked for, every 10 ms, meanwhile
-    _fleet.size_at(("http", dynamo.host, dynamo.port))
-    deadline = time.monotonic() + PATIENCE
-    reader = None
-    while reader is None and time.monotonic() < deadline:
-        reader = next((t for t in threading.enumerate() if t.name == "otel-session-fleet"), None)
-        time.sleep(0.01)
-    assert reader is not None and reader.daemon  # never holds the interpreter at exit
+    dynamo.instances, dynamo.health_delay = 2, 0.2  # the reader is still reading as it is looked for
+    before = set(_readers())
+    _fleet.size_at(("http", dynamo.host, dynamo.port))  # its thread started before it returns
+    (reader,) = set(_readers()) - before
+    assert reader.daemon  # never holds the interpreter at exit
     assert _wait_known(dynamo.url) == 2
     (headers,) = dynamo.health_reads
     assert headers.get("accept") == "application/json"
@@ -209,8 +213,10 @@ def test_the_line_for_a_router_without_a_list_says_what_and_what_to_do(
     dynamo: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="otel_session"):
+        before = _readers()
         _fleet.size_at(("http", dynamo.host, dynamo.port))
-        _wait_known(dynamo.url)
+        for reader in set(_readers()) - set(before):
+            reader.join(PATIENCE)  # the line is said after the size is kept, as the thread ends
     (line,) = [r.getMessage() for r in caplog.records if "/health" in r.getMessage()]
     assert line == (
         f"otel-session: sibling groups cannot be sized to the fleet of the router at {dynamo.url}: its "
@@ -266,6 +272,21 @@ def test_a_router_read_again_is_said_once(
                 time.sleep(0.01)
             assert len(dynamo.health_reads) == reads  # not PATIENCE's wait where no read was made
     assert len([r for r in caplog.records if "cannot be sized" in r.getMessage()]) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_read_is_under_way_reads_the_router_itself(dynamo: Recorder) -> None:
+    """A rollout worker forked while the parent reads a router's size (and another thread holds the
+    table's lock): the read is the parent's thread, which the child has not, so the child starts
+    one of its own, on a lock of its own (left marked, it would never read that router again)."""
+    dynamo.instances, dynamo.health_delay = 2, 0.5
+    origin = ("http", dynamo.host, dynamo.port)
+    assert _fleet.size_at(origin) is None and origin in _fleet._reading
+    forked_while_held(
+        _fleet._lock,
+        lambda: not _fleet._reading and _fleet.size_at(origin) is None and origin in _fleet._reading,
+    )
+    assert _wait_known(dynamo.url) == 2
 
 
 def test_a_read_still_in_flight_when_forgotten_is_not_kept(dynamo: Recorder) -> None:
