@@ -225,6 +225,18 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     if choice == "default" or (_said and _said[-1] == (ticket.sized, ticket.size)):
         return
     _said[:] = [(ticket.sized, ticket.size)]
+    if choice == "withheld" and ticket.sized:
+        groups, siblings = _siblings.last_shape()
+        _faults.warn(
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends this step's attempts without their session: "
+            "%d groups of %d siblings on %d workers would put more on the busiest worker than sharing a "
+            "prompt saves (pinned, 12 pairs on 8 workers took 1.34-1.37x kv routing alone's step), so "
+            "the router places them as it would without otel-session",
+            groups,
+            siblings,
+            workers,  # sized: the router's size was read
+        )
+        return
     if choice == "withheld":
         why = "its /health is still being read" if workers is None else "no step has ended here yet"
         _faults.warn(

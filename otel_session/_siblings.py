@@ -176,10 +176,12 @@ def _fleet_size(workers: int | None, withhold: bool, gathered: bool) -> tuple[in
     sizes it: ``ceil(G / max(1, workers // P))``, P groups of G siblings open at once (``shape``);
     and whether it was so sized. Where that cannot be known yet (``workers`` ``None``, or no step
     seen): ``None`` (withheld) if ``withhold``, else the default's K, as where the router lists no
-    workers (``UNREADABLE``); after a step of lone attempts, 1 (each alone) unless withheld."""
+    workers (``UNREADABLE``); after a step of lone attempts, 1 (each alone) unless withheld; and
+    where ``withhold``, ``None`` for a step its groups would crowd (``unshared``)."""
     found = shape(gathered)
     if workers is not None and workers != UNREADABLE and found is not None:
-        return group_size(workers, *found), True
+        size = group_size(workers, *found)
+        return (None if withhold and unshared(workers, *found, size) else size), True
     if found is not None and found[1] <= 1 and not withhold:
         return 1, False  # the step before had lone attempts only: each alone, no fleet size needed
     return (None if withhold and workers != UNREADABLE else GROUPS_DEFAULT), False
@@ -230,6 +232,20 @@ def alike(workers: int) -> bool:
 def splits(workers: int, groups: int, siblings: int) -> bool:
     """Whether ``group_size`` splits each prompt into a group and a smaller rest (unlike sizes)."""
     return siblings % group_size(workers, groups, siblings) != 0
+
+
+def unshared(workers: int, groups: int, siblings: int, size: int) -> bool:
+    """Whether groups of ``size`` crowd the busiest worker past what sharing a prompt saves: siblings
+    to share it, more groups than workers, the busiest holding 1 + (G - 1) / 2G times a fair share
+    of siblings or more (1.25 for pairs, rising to the split rule's ``CROWDED``), where kv routing
+    alone measured the shorter step (docs/performance.md). ``fleet`` withholds such a step."""
+    parents = groups * math.ceil(siblings / max(1, size))
+    fair = groups * siblings / max(1, workers)
+    return (
+        siblings > 1
+        and parents > workers
+        and busiest(workers, groups, siblings, size) >= fair * (1 + (siblings - 1) / (2 * siblings))
+    )
 
 
 def busiest(workers: int, groups: int, siblings: int, size: int) -> int:

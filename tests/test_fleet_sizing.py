@@ -98,6 +98,10 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert "(0.55-0.75x kv routing alone's step; 40 ms apart" in siblings_note(8, 16, 4)
     assert paced not in siblings_note(8, 8, 4) + siblings_note(8, 16, 1) + siblings_note(32, 16, 8)
     assert SIBLINGS_RULE in siblings_note(64, 8, 16) and SIBLINGS_RULE in siblings_note(None, 8, 16)
+    pairs = siblings_note(8, 12, 2)  # 12 pairs on 8 workers: the busiest 4 against a fair 3
+    assert "put more siblings on the busiest worker than sharing a prompt saves" in pairs
+    assert "set OTEL_SESSION_SIBLINGS=fleet, which sends such a step without sessions" in pairs
+    assert paced not in pairs and "sharing a prompt saves" not in whole + siblings_note(8, 16, 2)
 
 
 @pytest.mark.slow

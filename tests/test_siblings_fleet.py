@@ -570,6 +570,65 @@ def test_fleet_pins_a_step_of_more_groups_than_workers_as_the_default_does(
     assert support.metric_delta(before, choices, otel_session__siblings__choice="sized") == 32
 
 
+@pytest.mark.parametrize("policy", ["fleet", "auto"])
+def test_fleet_withholds_a_step_whose_pairs_crowd_a_worker_and_the_default_pins_it(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """6 prompts of 2 on 4 workers: whole pairs put two groups, 4 siblings, on two workers against a
+    fair share of 3 (1.33x), more than a pair's shared prompt saves (12 pairs on 8 workers measured
+    1.34-1.37x kv routing alone's step; a session per attempt 1.09-1.29x). ``fleet`` sends such a step
+    without sessions, from its gathered first step, and says why once; the default keeps the header
+    on every request and pins the pairs."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url], siblings=policy)
+    before = support.metric_points()
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _held_step(dynamo, prompts=6, siblings=2)  # gathered: the step itself has 6 pairs
+        first = _attempts(dynamo)
+        dynamo.clear()
+        _held_step(dynamo, prompts=6, siblings=2)  # sized by the step before
+        second = _attempts(dynamo)
+    lines = [r.getMessage() for r in caplog.records if "without their session" in r.getMessage()]
+    choices = "otel_session.sibling_choices"
+    for attempts in (first, second):
+        assert len(attempts) == 12
+        if policy == "fleet":
+            assert set(attempts.values()) == {(None, None)}
+        else:
+            assert None not in {session for session, _ in attempts.values()}
+            assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2] * 6
+    if policy == "fleet":
+        assert lines == [
+            "otel-session: OTEL_SESSION_SIBLINGS=fleet sends this step's attempts without their session: 6 "
+            "groups of 2 siblings on 4 workers would put more on the busiest worker than sharing a prompt "
+            "saves (pinned, 12 pairs on 8 workers took 1.34-1.37x kv routing alone's step), so the router "
+            "places them as it would without otel-session"
+        ]
+        assert support.metric_delta(before, choices, otel_session__siblings__choice="withheld") == 24
+    else:
+        assert lines == [] and not support.metric_delta(
+            before, choices, otel_session__siblings__choice="withheld"
+        )
+
+
+def test_a_step_crowds_past_what_sharing_saves_only_where_groups_outnumber_workers() -> None:
+    """``unshared``, on the cells measured (docs/performance.md): pairs crowded 1.33x are; groups of
+    4 or 8 crowded as much, the split 10 x 4, even steps and fewer groups than workers are not."""
+    unshared = _siblings.unshared
+    assert unshared(8, 12, 2, 2) and unshared(4, 6, 2, 2)  # busiest 4 against a fair 3
+    assert not unshared(8, 12, 4, 4) and not unshared(8, 12, 8, 8)  # 1.33x, under 1.375 and 1.44
+    assert unshared(8, 11, 8, 8)  # 16 against 11: 1.45x, past 1 + 7/16
+    assert not unshared(8, 10, 4, 3)  # the split: 6 against 5
+    assert not unshared(8, 16, 4, 4) and not unshared(8, 16, 2, 2)  # even
+    assert not unshared(16, 6, 5, 3) and not unshared(32, 16, 8, 4)  # a worker for each group
+    assert unshared(8, 9, 2, 2)  # 4 against 2.25: one worker with two pairs, most with one
+    assert unshared(3, 2, 2, 1)  # 2 prompts' 4 siblings each alone on 3 workers: 2 against 1.33
+    assert unshared(2, 3, 3, 3)  # 6 against 4.5, exactly 1 + 2/6 times it
+    assert not unshared(2, 1, 3, 2)  # groups of 2 and 1 on 2 workers: a worker for each
+    assert not unshared(1, 1, 2, 1)  # one prompt on one worker: 2, its fair share
+    assert not unshared(1, 2, 1, 1) and not unshared(4, 12, 1, 1)  # no siblings: nothing shared
+
+
 def test_a_group_size_is_ascii_digits_only() -> None:
     with pytest.raises(ValueError, match="groups:K"):
         Siblings.parse("groups:\u0663")  # ARABIC-INDIC DIGIT THREE: str.isdigit() says yes

@@ -173,6 +173,10 @@ AMPLE_SPLIT = "1.02-1.12x"
 AMPLE_WHOLE = "1.02-1.07x"
 AMPLE_PAIRS = "0.99-1.06x"
 AMPLE_ATTEMPT = "0.95-1.00x"
+#: 12 pairs on 8 workers of 4,096 tokens, pinned, whole groups (the default's, step 2) and a session
+#: per attempt (docs/performance.md, "Cells it was not tuned on"; 2 runs each).
+UNSHARED_STEPS = "1.34-1.37x"
+UNSHARED_ATTEMPT = "1.09-1.29x"
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
     "key a GRPO step's siblings in groups sized so each worker gets about one group: "
@@ -227,6 +231,16 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
             "up to 40 ms after the last group's, so the router counts each group's siblings before it "
             f"places the next ({UNEVEN_STEPS} kv routing alone's step; whole groups were {UNEVEN_WHOLE}, "
             f"and these groups 10 ms apart {UNEVEN_CLOSE})"
+        )
+    elif prompts_outnumber(workers, prompts, siblings) and _siblings.unshared(
+        workers, prompts, siblings, _siblings.group_size(workers, prompts, siblings)
+    ):
+        verdict += (
+            f"; but {prompts} groups of {siblings} on {workers} workers put more siblings on the busiest "
+            "worker than sharing a prompt saves, and no grouping spreads them evenly (12 pairs on 8 "
+            f"workers took {UNSHARED_STEPS} kv routing alone's step pinned, a session per attempt "
+            f"{UNSHARED_ATTEMPT}): set OTEL_SESSION_SIBLINGS=fleet, which sends such a step without "
+            "sessions, or leave session affinity off"
         )
     elif prompts_outnumber(workers, prompts, siblings):
         verdict += (
