@@ -354,6 +354,7 @@ def test_a_later_group_of_the_first_step_does_not_wait_again(dynamo: Recorder, s
     dynamo.health_delay = HANGS
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings=siblings)
     took: dict[int, list[float]] = {0: [], 1: []}
+    answered: list[float] = []  # the first group's, from the step's start
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=30) as http:
@@ -367,12 +368,16 @@ def test_a_later_group_of_the_first_step_does_not_wait_again(dynamo: Recorder, s
                         f"{dynamo.url}/p{prompt}/s{sibling}/v1/chat/completions", json=_body(prompt)
                     )
                     took[prompt].append(time.monotonic() - sent)
+                    if prompt == 0:
+                        answered.append(time.monotonic() - began)
                     await asyncio.sleep(1.4 - (time.monotonic() - began))  # all open at once: one step
 
             await asyncio.gather(*(attempt(p, s) for p in range(2) for s in range(4)))
 
     asyncio.run(run())
-    assert min(took[0]) >= 0.45  # the first group waited its half second, as documented
+    # the first group waited the look's half second, as documented: counted from the step's start,
+    # for an attempt the loop ran late (a collection of a long run's garbage) joins the look late
+    assert min(answered) >= 0.45, (answered, took[0])
     assert max(took[1]) < 0.35, took[1]  # main: 0.51 s each
     if siblings == "auto":  # fleet sends this step without sessions, as documented
         assert _groups(_seen(dynamo)) == {"p0": [2, 2], "p1": [2, 2]}
