@@ -77,6 +77,12 @@ def _threads_step(dynamo: Recorder, prompts: int, siblings: int) -> None:
     session.close()
 
 
+# Where 8 parents' first requests spread, as they reach the server: WIDE (40 ms) apart 280 ms, PACE
+# (10 ms) apart 70 ms. Between the two, about 100 ms from each: a thread woken late (a loaded CI
+# machine, a tracer) shortens or lengthens the spread by tens of ms (0.2 s against 0.28 s was seen).
+WIDE_OR_NOT = 7 * 0.04 * 0.6
+
+
 def _first_arrivals(dynamo: Recorder) -> list[float]:
     """When each parent's first request arrived, in order (every request carried a session and a parent)."""
     first: dict[str, float] = {}
@@ -97,7 +103,7 @@ def test_a_steps_new_parents_reach_the_router_paced_apart(dynamo: Recorder, clie
     arrivals = _first_arrivals(dynamo)
     assert len(arrivals) == 8
     _assert_paced(arrivals)
-    assert 7 * 0.04 * 0.8 <= arrivals[-1] - arrivals[0] < 7 * 0.04 + 0.3, arrivals[-1] - arrivals[0]
+    assert WIDE_OR_NOT <= arrivals[-1] - arrivals[0] < 7 * 0.04 + 0.3, arrivals[-1] - arrivals[0]
 
 
 @pytest.mark.parametrize("client", ["httpx", "requests"])
@@ -112,7 +118,7 @@ def test_new_parents_are_paced_as_configured(
     arrivals = _first_arrivals(dynamo)
     assert len(arrivals) == 8
     _assert_paced(arrivals)
-    assert arrivals[-1] - arrivals[0] < 7 * 0.04 * 0.8, arrivals[-1] - arrivals[0]
+    assert arrivals[-1] - arrivals[0] < WIDE_OR_NOT, arrivals[-1] - arrivals[0]
     otel_session.unconfigure()
     dynamo.clear()
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="groups:2", pace_ms=0)
@@ -179,7 +185,7 @@ def test_a_step_of_more_parents_than_workers_is_paced_closer(
     assert len(arrivals) == 8
     _assert_paced(arrivals)
     spread = arrivals[-1] - arrivals[0]
-    assert (spread >= 7 * 0.04 * 0.8) if wide else (spread < 7 * 0.04 * 0.8), spread
+    assert (spread >= WIDE_OR_NOT) if wide else (spread < WIDE_OR_NOT), spread
 
 
 @pytest.mark.parametrize("client", ["httpx", "requests"])
