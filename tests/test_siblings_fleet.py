@@ -76,6 +76,19 @@ def _held_step(dynamo: Recorder, prompts: int, siblings: int) -> None:
     asyncio.run(run())
 
 
+def _two_held_steps(
+    dynamo: Recorder, prompts: int, siblings: int
+) -> list[dict[tuple[str, str], tuple[str | None, str | None]]]:
+    """Two ``_held_step``s, one after the other (the first gathered, sized by itself; the second
+    sized by the first), each one's ``_attempts``."""
+    steps = []
+    for _ in range(2):
+        _held_step(dynamo, prompts=prompts, siblings=siblings)
+        steps.append(_attempts(dynamo))
+        dynamo.clear()
+    return steps
+
+
 def _attempts(dynamo: Recorder) -> dict[tuple[str, str], tuple[str | None, str | None]]:
     """(prompt, sibling) -> (session, parent) its requests carried, the same on every turn."""
     carried: dict[tuple[str, str], set[tuple[str | None, str | None]]] = {}
@@ -557,12 +570,8 @@ def test_fleet_pins_a_step_of_more_groups_than_workers_as_the_default_does(
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings="fleet")
     before = support.metric_points()
     with caplog.at_level(logging.WARNING, logger="otel_session"):
-        _held_step(dynamo, prompts=8, siblings=2)  # gathered: the step itself has 8 groups
-        first = _attempts(dynamo)
-        dynamo.clear()
-        _held_step(dynamo, prompts=8, siblings=2)  # sized by the step before
-        second = _attempts(dynamo)
-    for attempts in (first, second):
+        steps = _two_held_steps(dynamo, prompts=8, siblings=2)  # the first step itself has 8 groups
+    for attempts in steps:
         assert None not in {session for session, _ in attempts.values()}
         assert sorted(Counter(parent for _, parent in attempts.values()).values()) == [2] * 8
     assert not [r for r in caplog.records if "without their session" in r.getMessage()]
@@ -583,14 +592,10 @@ def test_fleet_withholds_a_step_whose_pairs_crowd_a_worker_and_the_default_pins_
     otel_session.configure(dynamo_hosts=[dynamo.url], siblings=policy)
     before = support.metric_points()
     with caplog.at_level(logging.WARNING, logger="otel_session"):
-        _held_step(dynamo, prompts=6, siblings=2)  # gathered: the step itself has 6 pairs
-        first = _attempts(dynamo)
-        dynamo.clear()
-        _held_step(dynamo, prompts=6, siblings=2)  # sized by the step before
-        second = _attempts(dynamo)
+        steps = _two_held_steps(dynamo, prompts=6, siblings=2)  # the first step itself has 6 pairs
     lines = [r.getMessage() for r in caplog.records if "without their session" in r.getMessage()]
     choices = "otel_session.sibling_choices"
-    for attempts in (first, second):
+    for attempts in steps:
         assert len(attempts) == 12
         if policy == "fleet":
             assert set(attempts.values()) == {(None, None)}
