@@ -212,6 +212,10 @@ def offer_for(ctx: Context, tracing: bool) -> Offer:
 
 
 _said: list[tuple[bool, int | None]] = []  # the last K said (and whether sized): said again when it changes
+CROWDS = (  # said after K where ``auto`` pins a step ``fleet`` would withhold (``_siblings.unshared``)
+    "; the busiest worker holds more than sharing a prompt saves, where kv routing alone measured the "
+    "shorter step: OTEL_SESSION_SIBLINGS=fleet sends such a step without sessions"
+)
 
 
 def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
@@ -253,15 +257,17 @@ def _chose(holder: _siblings.Inferred, workers: int | None) -> None:
     split = f" (each prompt's {siblings} as {' + '.join([str(size)] * whole + [str(rest)])})" if rest else ""
     sharing = workers and parents > workers
     shared = f"{parents} groups: some share a worker" if sharing else "one group per worker"
+    crowds = bool(sharing) and _siblings.unshared(workers or 0, groups, siblings, size)
     _faults.warn(
         "otel-session: siblings sized to the fleet: %s (%d workers; %s %d groups of up to %d siblings "
-        "open at once: %s)",
+        "open at once: %s)%s",
         "each alone under its own session" if ticket.size == 1 else f"{ticket.size} per parent session",
         workers or 0,
         "the step before had" if _siblings.step_seen() else "this step has",
         groups,
         siblings,
         shared + split,
+        CROWDS if crowds else "",
     )
 
 

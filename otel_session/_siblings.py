@@ -237,14 +237,18 @@ def splits(workers: int, groups: int, siblings: int) -> bool:
 def unshared(workers: int, groups: int, siblings: int, size: int) -> bool:
     """Whether groups of ``size`` crowd the busiest worker past what sharing a prompt saves: siblings
     to share it, more groups than workers, the busiest holding 1 + (G - 1) / 2G times a fair share
-    of siblings or more (1.25 for pairs, rising to the split rule's ``CROWDED``), where kv routing
-    alone measured the shorter step (docs/performance.md). ``fleet`` withholds such a step."""
+    of siblings or more (1.25 for pairs, rising to the split rule's ``CROWDED``); where pairs are the
+    largest groups, any more than a fair share (a pair shares too little for any), or a prompt split
+    into a pair and one (the one recomputes the prompt in a crowded cache): where kv routing alone
+    measured the shorter step (docs/performance.md). ``fleet`` withholds such a step."""
     parents = groups * math.ceil(siblings / max(1, size))
     fair = groups * siblings / max(1, workers)
+    most = busiest(workers, groups, siblings, size)
+    paired = size <= 2 and (most > fair or siblings % max(1, size) != 0)
     return (
         siblings > 1
         and parents > workers
-        and busiest(workers, groups, siblings, size) >= fair * (1 + (siblings - 1) / (2 * siblings))
+        and (most >= fair * (1 + (siblings - 1) / (2 * siblings)) or paired)
     )
 
 

@@ -102,6 +102,8 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert "put more siblings on the busiest worker than sharing a prompt saves" in pairs
     assert "set OTEL_SESSION_SIBLINGS=fleet, which sends such a step without sessions" in pairs
     assert paced not in pairs and "sharing a prompt saves" not in whole + siblings_note(8, 16, 2)
+    split_pairs = siblings_note(8, 10, 3)  # split into a pair and one: still crowded past a fair share
+    assert "sharing a prompt saves" in split_pairs and "would crowd a few" not in split_pairs
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 import otel_session
-from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _fleet, _siblings
+from otel_session import PARENT_SESSION_HEADER, SESSION_HEADER, _fleet, _hop, _siblings
 from otel_session._siblings import Siblings, open_groups
 from tests import support
 from tests.recorder import PATIENCE, Recorder
@@ -558,6 +558,23 @@ def test_more_prompts_than_workers_is_not_called_one_group_per_worker(
     assert None not in {parent for _, parent in _attempts(dynamo).values()}  # the header always sent
 
 
+@pytest.mark.parametrize(("prompts", "crowded"), [(6, True), (8, False)])
+def test_the_default_says_so_where_it_pins_a_step_fleet_would_withhold(
+    dynamo: Recorder, caplog: pytest.LogCaptureFixture, prompts: int, crowded: bool
+) -> None:
+    """6 pairs on 4 workers: two pairs on two workers, 1.33x a fair share, past what a pair saves
+    (``_siblings.unshared``; 9 pairs on 8 measured 1.54x kv routing alone's step). The default still
+    pins every attempt, and its one line says so and names ``fleet``; 8 pairs on 4 (even) do not."""
+    dynamo.instances = 4
+    otel_session.configure(dynamo_hosts=[dynamo.url])
+    with caplog.at_level(logging.WARNING, logger="otel_session"):
+        _step(dynamo, prompts=prompts, siblings=2)
+    (line,) = [r.getMessage() for r in caplog.records if "sized to the fleet" in r.getMessage()]
+    assert line.endswith(f"{prompts} groups: some share a worker){_hop.CROWDS if crowded else ''}")
+    assert "OTEL_SESSION_SIBLINGS=fleet sends such a step" in _hop.CROWDS
+    assert None not in {parent for _, parent in _attempts(dynamo).values()}  # the header always sent
+
+
 def test_fleet_pins_a_step_of_more_groups_than_workers_as_the_default_does(
     dynamo: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -617,13 +634,17 @@ def test_fleet_withholds_a_step_whose_pairs_crowd_a_worker_and_the_default_pins_
 
 
 def test_a_step_crowds_past_what_sharing_saves_only_where_groups_outnumber_workers() -> None:
-    """``unshared``, on the cells measured (docs/performance.md): pairs crowded 1.33x are; groups of
-    4 or 8 crowded as much, the split 10 x 4, even steps and fewer groups than workers are not."""
+    """``unshared``, on the cells measured (docs/performance.md): pairs crowded 1.33x are, and a
+    prompt split into a pair and one (10 x 3 on 8, 16 x 3 on 12); groups of 4 or 8 crowded 1.33x,
+    the split 10 x 4 (3 and 1), even steps and fewer groups than workers are not."""
     unshared = _siblings.unshared
     assert unshared(8, 12, 2, 2) and unshared(4, 6, 2, 2)  # busiest 4 against a fair 3
     assert not unshared(8, 12, 4, 4) and not unshared(8, 12, 8, 8)  # 1.33x, under 1.375 and 1.44
     assert unshared(8, 11, 8, 8)  # 16 against 11: 1.45x, past 1 + 7/16
     assert not unshared(8, 10, 4, 3)  # the split: 6 against 5
+    assert unshared(8, 10, 3, 2) and unshared(12, 16, 3, 2)  # split into a pair and one, even or not
+    assert not unshared(32, 16, 8, 2) and not unshared(16, 18, 4, 3)  # even pairs; groups of 3 and one
+    assert not unshared(3, 2, 3, 1)  # 2 prompts' 3 siblings each alone on 3 workers: 2 each, even
     assert not unshared(8, 16, 4, 4) and not unshared(8, 16, 2, 2)  # even
     assert not unshared(16, 6, 5, 3) and not unshared(32, 16, 8, 4)  # a worker for each group
     assert unshared(8, 9, 2, 2)  # 4 against 2.25: one worker with two pairs, most with one

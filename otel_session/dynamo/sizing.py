@@ -173,9 +173,10 @@ AMPLE_SPLIT = "1.02-1.12x"
 AMPLE_WHOLE = "1.02-1.07x"
 AMPLE_PAIRS = "0.99-1.06x"
 AMPLE_ATTEMPT = "0.95-1.00x"
-#: 12 pairs on 8 workers of 4,096 tokens, pinned, whole groups (the default's, step 2) and a session
-#: per attempt (docs/performance.md, "Cells it was not tuned on"; 2 runs each).
-UNSHARED_STEPS = "1.34-1.37x"
+#: 9 to 12 prompts of 2 or 3 on 8 workers of 4,096 tokens, pinned as the default groups them (its
+#: second step), and 12 pairs a session per attempt (docs/performance.md, "Cells it was not tuned
+#: on"; 2 runs each).
+UNSHARED_STEPS = "1.22-1.57x"
 UNSHARED_ATTEMPT = "1.09-1.29x"
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
@@ -224,23 +225,23 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         "OTEL_SESSION_SIBLINGS=fleet sends that step without sessions instead (kv routing alone's "
         f"step); OTEL_SESSION_SIBLINGS={setting} fixes K from the start"
     )
-    if prompts_split(workers, prompts, siblings):
+    if prompts_outnumber(workers, prompts, siblings) and _siblings.unshared(
+        workers, prompts, siblings, _siblings.group_size(workers, prompts, siblings)
+    ):
+        verdict += (
+            f"; but {prompts} groups of {siblings} on {workers} workers put more siblings on the busiest "
+            "worker than sharing a prompt saves, and no grouping spreads them evenly (9 to 12 prompts of "
+            f"2 or 3 on 8 workers took {UNSHARED_STEPS} kv routing alone's step pinned, 12 pairs a "
+            f"session per attempt {UNSHARED_ATTEMPT}): set OTEL_SESSION_SIBLINGS=fleet, which sends "
+            "such a step without sessions, or leave session affinity off"
+        )
+    elif prompts_split(workers, prompts, siblings):
         verdict += (
             f"; whole groups would crowd a few of the {workers} workers: each prompt's last "
             "siblings go in a smaller group, and the library sends each new group's first requests "
             "up to 40 ms after the last group's, so the router counts each group's siblings before it "
             f"places the next ({UNEVEN_STEPS} kv routing alone's step; whole groups were {UNEVEN_WHOLE}, "
             f"and these groups 10 ms apart {UNEVEN_CLOSE})"
-        )
-    elif prompts_outnumber(workers, prompts, siblings) and _siblings.unshared(
-        workers, prompts, siblings, _siblings.group_size(workers, prompts, siblings)
-    ):
-        verdict += (
-            f"; but {prompts} groups of {siblings} on {workers} workers put more siblings on the busiest "
-            "worker than sharing a prompt saves, and no grouping spreads them evenly (12 pairs on 8 "
-            f"workers took {UNSHARED_STEPS} kv routing alone's step pinned, a session per attempt "
-            f"{UNSHARED_ATTEMPT}): set OTEL_SESSION_SIBLINGS=fleet, which sends such a step without "
-            "sessions, or leave session affinity off"
         )
     elif prompts_outnumber(workers, prompts, siblings):
         verdict += (
