@@ -45,7 +45,7 @@ The arms (what the frontend runs, what otel-session sends):
                            or hashing X-Dynamo-Session-ID consistently; 3fe-parent: hashing the
                            parent session where a request names one (a sibling group reaches one
                            frontend), else the session; -sync: --router-replica-sync
-    .../pace40, .../pace10 the pace set (OTEL_SESSION_PACE_MS): new parents 40 or 10 ms apart at a
+    .../pace10, 40, 80     the pace set (OTEL_SESSION_PACE_MS): new parents 10, 40 or 80 ms apart at a
                            router, not by the burst (10 was the default until 2026-12-06)
 
 Arms of one repeat see the same text on a cold fleet; repeats use new text and rotate the arms'
@@ -194,6 +194,7 @@ ARMS: dict[str, Arm] = {
         ),
         Arm("kv+default/pace10", "kv", "default", pace_ms=10),
         Arm("kv+default/pace40", "kv", "default", pace_ms=40),
+        Arm("kv+default/pace80", "kv", "default", pace_ms=80),
         Arm("3fe:rr", "round-robin", "none", frontends=3),
         Arm("3fe-hash:rr+default", "round-robin", "default", frontends=3, balancer="hash"),
     )

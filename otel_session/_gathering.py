@@ -291,11 +291,11 @@ def _pace() -> float | None:
 
 
 def _workers(origin: _fleet.Origin) -> int | None:
-    """The router's fleet size as ``_pacing`` paces by it: as last read, where the step's groups are
-    all alike (``_siblings.alike``); ``None`` (paced by the burst alone) where they are not, or the
-    size is unknown."""
+    """The router's fleet size as ``_pacing`` paces by it: as last read, where the step's groups go
+    close together (``_siblings.close``); ``None`` (paced by the burst alone) where they do not, or
+    the size is unknown."""
     workers = _fleet.size_seen(origin)
-    return workers if workers is not None and _siblings.alike(workers) else None
+    return workers if workers is not None and _siblings.close(workers) else None
 
 
 def _origin(destination: _hop.Destination) -> _fleet.Origin:

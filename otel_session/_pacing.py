@@ -15,7 +15,8 @@ docs/performance.md, "New parents, paced"); ``PACE`` where the burst has more pa
 router has workers, which must share workers: the router balances them only on a view that holds
 them all, and ``WIDE`` apart the first groups' turns end in between, so a worker in a pause looks
 free (groups of unlike sizes, a prompt split into a group and a smaller rest, are not balanced by
-their count: ``_gathering`` gives no fleet size for them, and they keep the burst's spacing). A
+their count, and a worker's two pairs ``PACE`` apart prefill their prompts together: ``_gathering``
+gives no fleet size for them, and they keep the burst's spacing). A
 steady stream of new parents, once it has run for ``SPREAD``, is paced at three quarters of its own
 interval (``BURST / SPREAD``), so the backlog of its first seconds drains. No request waits
 more than ``SPREAD``: parents past it go together at its end, as a burst goes without pacing. Where

@@ -202,7 +202,7 @@ def group_size(workers: int, groups: int, siblings: int) -> int:
         return fit
     shape = (workers, groups, siblings)
     size = _sized.get(shape)
-    if size is None:  # worked out once per shape: every attempt's first request asks (``alike``)
+    if size is None:  # worked out once per shape: every attempt's first request asks (``close``)
         halves = range(max(2, math.ceil(siblings / 2)), siblings + 1)  # a prompt in one group or two
         held = {size: busiest(workers, groups, siblings, size) for size in halves}
         fewest = min(held.values())
@@ -217,16 +217,21 @@ SHAPES_KEPT = 64
 _sized: dict[tuple[int, int, int], int] = {}  # (workers, groups, siblings) -> K, where it took work
 
 
-def alike(workers: int) -> bool:
-    """Whether the groups of the step sized now (``shape``) for ``workers`` workers all have as many
-    siblings (or no shape is known yet): then as many groups on each worker is as much load on each,
-    and ``_pacing`` sends a burst of more groups than workers close together; a prompt split into a
-    group and a smaller rest is not, and goes at the burst's wider spacing, so the router counts
-    each group's siblings before it places the next (measured, docs/performance.md)."""
+def close(workers: int) -> bool:
+    """Whether ``_pacing`` sends a burst of more of the step's groups (``shape``) than ``workers``
+    workers close together (``paced_close``), or no shape is known yet."""
     found = shape(True)
-    if found is None:
-        return True
-    return not splits(workers, *found)
+    return found is None or paced_close(workers, *found)
+
+
+def paced_close(workers: int, groups: int, siblings: int) -> bool:
+    """Whether a burst of ``groups`` groups of ``siblings``, sized for ``workers`` workers, goes
+    ``_pacing.PACE`` apart where it outnumbers the workers: all alike, so as many groups on each
+    worker is as much load on each, and of 3 or more. A prompt split into a group and a smaller rest,
+    and pairs, go at the burst's wider spacing: the router counts each group's siblings before it
+    places the next, and a worker's two pairs do not prefill their prompts together in a cache that
+    holds one (measured, docs/performance.md)."""
+    return group_size(workers, groups, siblings) != 2 and not splits(workers, groups, siblings)
 
 
 def splits(workers: int, groups: int, siblings: int) -> bool:
@@ -241,15 +246,13 @@ def unshared(workers: int, groups: int, siblings: int, size: int) -> bool:
     largest groups, any more than a fair share (a pair shares too little for any), or a prompt split
     into a pair and one (the one recomputes the prompt in a crowded cache): where kv routing alone
     measured the shorter step (docs/performance.md). ``fleet`` withholds such a step."""
-    parents = groups * math.ceil(siblings / max(1, size))
+    if siblings <= 1 or groups * math.ceil(siblings / max(1, size)) <= workers:
+        return False  # nothing shared, or a worker for each group
     fair = groups * siblings / max(1, workers)
     most = busiest(workers, groups, siblings, size)
-    paired = size <= 2 and (most > fair or siblings % max(1, size) != 0)
-    return (
-        siblings > 1
-        and parents > workers
-        and (most >= fair * (1 + (siblings - 1) / (2 * siblings)) or paired)
-    )
+    if size <= 2 and (most > fair or siblings % max(1, size) != 0):
+        return True
+    return most >= fair * (1 + (siblings - 1) / (2 * siblings))
 
 
 def busiest(workers: int, groups: int, siblings: int, size: int) -> int:

@@ -102,6 +102,10 @@ def test_the_siblings_note_names_the_setting_and_the_rule() -> None:
     assert "put more siblings on the busiest worker than sharing a prompt saves" in pairs
     assert "set OTEL_SESSION_SIBLINGS=fleet, which sends such a step without sessions" in pairs
     assert paced not in pairs and "sharing a prompt saves" not in whole + siblings_note(8, 16, 2)
+    even_pairs = siblings_note(8, 16, 2)  # pairs keep the burst's spacing, not 10 ms
+    assert "sends each new pair's first requests up to 40 ms after the last pair's" in even_pairs
+    assert "(0.72-0.77x kv routing alone's step with 16 prompts of 2 on 8 workers" in even_pairs
+    assert paced not in even_pairs and "new pair's" not in pairs + whole + siblings_note(4, 8, 3)
     split_pairs = siblings_note(8, 10, 3)  # split into a pair and one: still crowded past a fair share
     assert "sharing a prompt saves" in split_pairs and "would crowd a few" not in split_pairs
 

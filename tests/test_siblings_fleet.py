@@ -563,7 +563,7 @@ def test_the_default_says_so_where_it_pins_a_step_fleet_would_withhold(
     dynamo: Recorder, caplog: pytest.LogCaptureFixture, prompts: int, crowded: bool
 ) -> None:
     """6 pairs on 4 workers: two pairs on two workers, 1.33x a fair share, past what a pair saves
-    (``_siblings.unshared``; 9 pairs on 8 measured 1.54x kv routing alone's step). The default still
+    (``_siblings.unshared``; this step measured 1.35-1.38x kv routing alone's). The default still
     pins every attempt, and its one line says so and names ``fleet``; 8 pairs on 4 (even) do not."""
     dynamo.instances = 4
     otel_session.configure(dynamo_hosts=[dynamo.url])
@@ -601,8 +601,8 @@ def test_fleet_withholds_a_step_whose_pairs_crowd_a_worker_and_the_default_pins_
     dynamo: Recorder, caplog: pytest.LogCaptureFixture, policy: str
 ) -> None:
     """6 prompts of 2 on 4 workers: whole pairs put two groups, 4 siblings, on two workers against a
-    fair share of 3 (1.33x), more than a pair's shared prompt saves (12 pairs on 8 workers measured
-    1.34-1.37x kv routing alone's step; a session per attempt 1.09-1.29x). ``fleet`` sends such a step
+    fair share of 3 (1.33x), more than a pair's shared prompt saves (this step measured 1.35-1.38x kv
+    routing alone's step in its second step; a session per attempt 1.09-1.29x). ``fleet`` sends such a step
     without sessions, from its gathered first step, and says why once; the default keeps the header
     on every request and pins the pairs."""
     dynamo.instances = 4
@@ -623,7 +623,7 @@ def test_fleet_withholds_a_step_whose_pairs_crowd_a_worker_and_the_default_pins_
         assert lines == [
             "otel-session: OTEL_SESSION_SIBLINGS=fleet sends this step's attempts without their session: 6 "
             "groups of 2 siblings on 4 workers would put more on the busiest worker than sharing a prompt "
-            "saves (pinned, 12 pairs on 8 workers took 1.34-1.37x kv routing alone's step), so the router "
+            "saves (pinned, 6 pairs on 4 workers took 1.35-1.38x kv routing alone's step), so the router "
             "places them as it would without otel-session"
         ]
         assert support.metric_delta(before, choices, otel_session__siblings__choice="withheld") == 24

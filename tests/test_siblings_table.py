@@ -306,23 +306,31 @@ def test_k_is_never_larger_than_one_group_per_worker_and_alone_only_where_each_h
                     assert held <= _siblings.busiest(workers, groups, siblings, siblings)
 
 
-def test_groups_are_alike_unless_a_prompt_is_split_into_a_group_and_a_smaller_rest() -> None:
-    """What ``_pacing`` is told: 10 prompts of 4 on 8 workers are split (3, 1), not alike; on 5
-    workers (two whole groups each), on 40 (one per sibling) or with no step known, alike."""
+def test_groups_go_close_unless_a_prompt_is_split_into_a_group_and_a_smaller_rest_or_they_are_pairs() -> None:
+    """What ``_pacing`` is told: 10 prompts of 4 on 8 workers are split (3, 1), not sent close; on 5
+    workers (two whole groups each), on 40 (one per sibling) or with no step known, close. 8 prompts
+    of 2 on 4 workers are pairs, not close; on 16, each sibling alone, close."""
     _siblings.forget_shape()
-    assert _siblings.alike(8)  # nothing known: as before
+    assert _siblings.close(8)  # nothing known: as before
     auto = Siblings.parse("auto")
     tickets = [_siblings.join(f"p{prompt}", auto) for prompt in range(10) for _ in range(4)]
-    assert not _siblings.alike(8) and _siblings.alike(5) and _siblings.alike(40)  # the step gathering
+    assert not _siblings.close(8) and _siblings.close(5) and _siblings.close(40)  # the step gathering
     for ticket in tickets:
         assert ticket is not None
         leave(ticket[1])
     assert _siblings.last_shape() == (10, 4)
-    assert not _siblings.alike(8) and _siblings.alike(10) and _siblings.alike(12)  # the last step's
-    assert not _siblings.alike(9) and _siblings.alike(3)  # 10 on 9: (3, 1) again; on 3, whole (1.2x)
-    assert _siblings.alike(0)  # a router that lists no workers: whole groups, nothing to divide by
+    assert not _siblings.close(8) and _siblings.close(10) and _siblings.close(12)  # the last step's
+    assert not _siblings.close(9) and _siblings.close(3)  # 10 on 9: (3, 1) again; on 3, whole (1.2x)
+    assert _siblings.close(0)  # a router that lists no workers: whole groups, nothing to divide by
     _siblings.forget_shape()
-    assert _siblings.alike(8)
+    tickets = [_siblings.join(f"q{prompt}", auto) for prompt in range(8) for _ in range(2)]
+    assert not _siblings.close(4) and not _siblings.close(8) and _siblings.close(16)  # pairs; alone
+    for ticket in tickets:
+        assert ticket is not None
+        leave(ticket[1])
+    assert _siblings.last_shape() == (8, 2) and not _siblings.close(4)
+    _siblings.forget_shape()
+    assert _siblings.close(8)
 
 
 def test_the_busiest_worker_is_what_dealing_the_groups_one_by_one_gives() -> None:

@@ -162,6 +162,10 @@ DEFAULT_GROUP = 2
 CROWDED_STEPS = "0.55-0.75x"
 CROWDED_UNPACED = "0.72-1.52x"
 CROWDED_WIDE = "1.03-1.25x"  # ... and paced 40 ms apart, as a burst of fewer groups than workers is
+#: ... pairs (8 workers, 16 x 2): paced by the burst (40 ms apart), and the most 10 ms apart took
+#: (12 x 2; docs/performance.md, "Pairs, paced by the burst").
+PAIRS_STEPS = "0.72-0.77x"
+PAIRS_CLOSE = "1.37x"
 #: ... with up to a third more prompts than workers (8 workers, 10 prompts x 4): each prompt split
 #: (3, 1) and paced by the burst; whole groups; the split paced 10 ms apart.
 UNEVEN_STEPS = "0.80-0.90x"
@@ -173,10 +177,12 @@ AMPLE_SPLIT = "1.02-1.12x"
 AMPLE_WHOLE = "1.02-1.07x"
 AMPLE_PAIRS = "0.99-1.06x"
 AMPLE_ATTEMPT = "0.95-1.00x"
-#: 9 to 12 prompts of 2 or 3 on 8 workers of 4,096 tokens, pinned as the default groups them (its
-#: second step), and 12 pairs a session per attempt (docs/performance.md, "Cells it was not tuned
-#: on"; 2 runs each).
-UNSHARED_STEPS = "1.22-1.57x"
+#: Pairs and triples crowded past a fair share on workers of 4,096 tokens, pinned as the default
+#: groups them (6 pairs on 4 workers, 9 and 10 on 8, 12 triples on 8: their worse step), 12 pairs
+#: on 8 so pinned, and 12 pairs a session per attempt (docs/performance.md, "Pairs, paced by the
+#: burst"; 2 runs each).
+UNSHARED_STEPS = "1.08-1.38x"
+UNSHARED_SOME = "0.93-0.95x"
 UNSHARED_ATTEMPT = "1.09-1.29x"
 #: The rule ``doctor`` and docs/performance.md state for GRPO siblings (measured there).
 SIBLINGS_RULE = (
@@ -230,9 +236,10 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
     ):
         verdict += (
             f"; but {prompts} groups of {siblings} on {workers} workers put more siblings on the busiest "
-            "worker than sharing a prompt saves, and no grouping spreads them evenly (9 to 12 prompts of "
-            f"2 or 3 on 8 workers took {UNSHARED_STEPS} kv routing alone's step pinned, 12 pairs a "
-            f"session per attempt {UNSHARED_ATTEMPT}): set OTEL_SESSION_SIBLINGS=fleet, which sends "
+            "worker than sharing a prompt saves, and no grouping spreads them evenly (pinned, 6 pairs on "
+            f"4 workers, 9 and 10 on 8 and 12 triples on 8 took {UNSHARED_STEPS} kv routing alone's step, "
+            f"12 pairs on 8 {UNSHARED_SOME}; a session per attempt {UNSHARED_ATTEMPT}): set "
+            "OTEL_SESSION_SIBLINGS=fleet, which sends "
             "such a step without sessions, or leave session affinity off"
         )
     elif prompts_split(workers, prompts, siblings):
@@ -242,6 +249,15 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
             "up to 40 ms after the last group's, so the router counts each group's siblings before it "
             f"places the next ({UNEVEN_STEPS} kv routing alone's step; whole groups were {UNEVEN_WHOLE}, "
             f"and these groups 10 ms apart {UNEVEN_CLOSE})"
+        )
+    elif prompts_outnumber(workers, prompts, siblings) and not _siblings.paced_close(
+        workers, prompts, siblings
+    ):
+        verdict += (
+            f"; {prompts} prompts on {workers} workers put several pairs on a worker: the library "
+            "sends each new pair's first requests up to 40 ms after the last pair's, so a worker's two "
+            f"pairs do not prefill their prompts together ({PAIRS_STEPS} kv routing alone's step with "
+            f"16 prompts of 2 on 8 workers; 10 ms apart, up to {PAIRS_CLOSE})"
         )
     elif prompts_outnumber(workers, prompts, siblings):
         verdict += (
