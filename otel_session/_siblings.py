@@ -84,6 +84,7 @@ class Siblings:
 
 GROUPS_DEFAULT = 2  # K where it cannot be sized yet: the measured middle (docs/performance.md)
 CROWDED = 1.5  # whole groups' busiest worker against a fair share, past kv routing alone's 1.1-1.4x
+PAIRED_WORKERS = 8  # workers for crowded pairs 40 ms apart to start a worker's two 320 ms apart
 # The default: sized to the fleet from the second step (docs/performance.md, "Step time").
 DEFAULT = Siblings(AUTO)
 
@@ -242,16 +243,19 @@ def splits(workers: int, groups: int, siblings: int) -> bool:
 def unshared(workers: int, groups: int, siblings: int, size: int) -> bool:
     """Whether groups of ``size`` crowd the busiest worker past what sharing a prompt saves: siblings
     to share it, more groups than workers, the busiest holding 1 + (G - 1) / 2G times a fair share
-    of siblings or more (1.25 for pairs, rising to the split rule's ``CROWDED``); where pairs are the
-    largest groups, any more than a fair share (a pair shares too little for any), or a prompt split
-    into a pair and one (the one recomputes the prompt in a crowded cache): where kv routing alone
-    measured the shorter step (docs/performance.md). ``fleet`` withholds such a step."""
+    of siblings or more (rising to the split rule's ``CROWDED``); where pairs are the largest groups
+    (paced by the burst), a prompt split into a pair and one (the one recomputes the prompt in a
+    crowded cache), or more than a fair share on the busiest worker where it reaches ``CROWDED`` or
+    the fleet has fewer than ``PAIRED_WORKERS`` (a worker's two pairs then start within a prefill of
+    each other): where kv routing alone measured the shorter step (docs/performance.md). ``fleet``
+    withholds such a step."""
     if siblings <= 1 or groups * math.ceil(siblings / max(1, size)) <= workers:
         return False  # nothing shared, or a worker for each group
     fair = groups * siblings / max(1, workers)
     most = busiest(workers, groups, siblings, size)
-    if size <= 2 and (most > fair or siblings % max(1, size) != 0):
-        return True
+    if size <= 2:
+        crowded = most >= fair * CROWDED or workers < PAIRED_WORKERS
+        return siblings % max(1, size) != 0 or (most > fair and crowded)
     return most >= fair * (1 + (siblings - 1) / (2 * siblings))
 
 
