@@ -245,7 +245,7 @@ def unshared(workers: int, groups: int, siblings: int, size: int) -> bool:
     to share it, more groups than workers, the busiest holding 1 + (G - 1) / 2G times a fair share
     of siblings or more (rising to the split rule's ``CROWDED``); where pairs are the largest groups
     (paced by the burst), a prompt split into a pair and one (the one recomputes the prompt in a
-    crowded cache), or more than a fair share on the busiest worker where it reaches ``CROWDED`` or
+    crowded cache), or more than a fair share on the busiest worker where it passes 4/3 of one or
     the fleet has fewer than ``PAIRED_WORKERS`` (a worker's two pairs then start within a prefill of
     each other): where kv routing alone measured the shorter step (docs/performance.md). ``fleet``
     withholds such a step."""
@@ -254,7 +254,7 @@ def unshared(workers: int, groups: int, siblings: int, size: int) -> bool:
     fair = groups * siblings / max(1, workers)
     most = busiest(workers, groups, siblings, size)
     if size <= 2:
-        crowded = most >= fair * CROWDED or workers < PAIRED_WORKERS
+        crowded = 3 * most * workers > 4 * groups * siblings or workers < PAIRED_WORKERS  # past 4/3
         return siblings % max(1, size) != 0 or (most > fair and crowded)
     return most >= fair * (1 + (siblings - 1) / (2 * siblings))
 

@@ -179,7 +179,7 @@ AMPLE_WHOLE = "1.02-1.07x"
 AMPLE_PAIRS = "0.99-1.06x"
 AMPLE_ATTEMPT = "0.95-1.00x"
 #: Pairs and triples crowded past what sharing saves on workers of 4,096 tokens, pinned as the
-#: default groups them (6 pairs on 4 workers, 9 and 10 on 8, 12 triples on 8: their worse step), and
+#: default groups them (6 pairs on 4 workers, 9 to 11 on 8, 12 triples on 8: their worse step), and
 #: 12 pairs on 8 a session per attempt (docs/performance.md, "Pairs, paced by the burst"; 2 runs each).
 UNSHARED_STEPS = "1.08-1.38x"
 UNSHARED_ATTEMPT = "1.09-1.29x"
@@ -236,7 +236,7 @@ def siblings_note(workers: int | None, prompts: int, siblings: int) -> str:
         verdict += (
             f"; but {prompts} groups of {siblings} on {workers} workers put more siblings on the busiest "
             "worker than sharing a prompt saves, and no grouping spreads them evenly (pinned, 6 pairs on "
-            f"4 workers, 9 and 10 on 8 and 12 triples on 8 took {UNSHARED_STEPS} kv routing alone's step; "
+            f"4 workers, 9 to 11 on 8 and 12 triples on 8 took {UNSHARED_STEPS} kv routing alone's step; "
             f"12 pairs on 8 a session per attempt {UNSHARED_ATTEMPT}): set "
             "OTEL_SESSION_SIBLINGS=fleet, which sends "
             "such a step without sessions, or leave session affinity off"
